@@ -1,0 +1,30 @@
+"""keras-tpu: train, evaluate and predict Keras 3 models on a simulated Cloud TPU.
+
+Eight TPU cores, each with a 128x128 systolic matrix unit (MXU) that
+multiplies in bfloat16 and accumulates in float32, simulated on JAX.
+
+Example:
+    >>> import keras_tpu
+    >>> resolver = keras_tpu.TPUClusterResolver(tpu="grpc://10.0.0.2:8470")
+    >>> topology = keras_tpu.initialize_tpu_system(resolver)
+    >>> topology.num_cores
+    8
+"""
+
+from keras_tpu import host as _host
+
+_host.prepare_host()  # before anything imports jax's backend or keras
+
+from keras_tpu import mxu  # noqa: E402
+from keras_tpu._logging import set_verbosity  # noqa: E402
+from keras_tpu.cluster import (ACCELERATOR_TYPES, AcceleratorSpec, ClusterSpec, Topology,  # noqa: E402
+                               TPUClusterResolver, experimental_connect_to_cluster,
+                               initialize_tpu_system)
+from keras_tpu.cores import CoreLayout  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ACCELERATOR_TYPES", "AcceleratorSpec", "ClusterSpec", "CoreLayout", "TPUClusterResolver", "Topology",
+    "experimental_connect_to_cluster", "initialize_tpu_system", "mxu", "set_verbosity",
+]

@@ -1,0 +1,343 @@
+"""The simulated Cloud TPU system: accelerator types, the cluster resolver and the topology.
+
+This mirrors TensorFlow's ``TPUClusterResolver`` and
+``tf.tpu.experimental.initialize_tpu_system``. Addresses such as
+``grpc://10.0.0.2:8470`` are accepted so that notebooks run unchanged, but no
+connection is made: the TPU is simulated in this process on JAX devices.
+"""
+
+import dataclasses
+import math
+import os
+import re
+
+from keras_tpu import host
+from keras_tpu._logging import logger
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceleratorSpec:
+    """Public per-generation figures of a Cloud TPU TensorCore ("core").
+
+    Sources: Cloud TPU system-architecture pages (v3, v4, v5e) and Jouppi et
+    al., "A Domain-Specific Supercomputer for Training Deep Neural Networks",
+    CACM 2020 (v2). Per-core HBM figures are the chip figures divided by the
+    cores per chip.
+    """
+
+    generation: str
+    cores_per_chip: int
+    mxus_per_core: int
+    clock_hz: float
+    hbm_bytes_per_core: int
+    hbm_bytes_per_second_per_core: float
+    mxu_rows: int = 128
+    mxu_cols: int = 128
+
+    @property
+    def peak_flops_per_core(self):
+        """bf16 peak: two flops per multiply-accumulate, every MXU cell every cycle."""
+        return 2.0 * self.mxus_per_core * self.mxu_rows * self.mxu_cols * self.clock_hz
+
+
+GIB = 1 << 30
+
+GENERATIONS = {
+    # 2 cores x 1 MXU at 700 MHz (~45 TFLOP/s per chip), 16 GiB and 700 GB/s per chip.
+    "v2": AcceleratorSpec("v2", 2, 1, 700e6, 8 * GIB, 350e9),
+    # 2 cores x 2 MXUs at 940 MHz (123 TFLOP/s per chip), 32 GiB and 900 GB/s per chip.
+    "v3": AcceleratorSpec("v3", 2, 2, 940e6, 16 * GIB, 450e9),
+    # 2 cores x 4 MXUs at 1050 MHz (275 TFLOP/s per chip), 32 GiB and 1200 GB/s per chip.
+    "v4": AcceleratorSpec("v4", 2, 4, 1050e6, 16 * GIB, 600e9),
+    # 1 core x 4 MXUs at 1.5 GHz (197 TFLOP/s per chip), 16 GB and 819 GB/s per chip.
+    "v5litepod": AcceleratorSpec("v5litepod", 1, 4, 1500e6, 16 * 10**9, 819e9),
+}
+
+# Slice sizes (TensorCores, i.e. the number after the dash) Cloud TPU offers.
+SLICE_SIZES = {
+    "v2": (8, 32, 128, 256, 512),
+    "v3": (8, 32, 64, 128, 256, 512, 1024, 2048),
+    "v4": (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+    "v5litepod": (1, 4, 8, 16, 32, 64, 128, 256),
+}
+
+ACCELERATOR_TYPES = tuple(f"{gen}-{n}" for gen, sizes in SLICE_SIZES.items() for n in sizes)
+
+DEFAULT_ACCELERATOR_TYPE = "v2-8"
+
+
+def accelerator_spec(accelerator_type):
+    """Parse an accelerator type such as ``"v3-8"`` into ``(AcceleratorSpec, num_cores)``.
+
+    Example:
+        >>> spec, cores = accelerator_spec("v2-8")
+        >>> cores, spec.mxus_per_core
+        (8, 1)
+    """
+    match = re.fullmatch(r"(v2|v3|v4|v5litepod|v5e)-(\d+)", str(accelerator_type).strip().lower())
+    generation = None
+    if match:
+        generation = "v5litepod" if match.group(1) == "v5e" else match.group(1)
+        cores = int(match.group(2))
+        if cores in SLICE_SIZES[generation]:
+            return GENERATIONS[generation], cores
+    raise ValueError(
+        f"Unknown TPU accelerator type {accelerator_type!r}. Known types: "
+        + ", ".join(ACCELERATOR_TYPES)
+        + "."
+    )
+
+
+class ClusterSpec:
+    """The jobs and task addresses of a cluster, shaped like ``tf.train.ClusterSpec``.
+
+    Example:
+        >>> ClusterSpec({"worker": ["10.0.0.2:8470"]}).as_dict()
+        {'worker': ['10.0.0.2:8470']}
+    """
+
+    def __init__(self, cluster):
+        self._cluster = {job: list(tasks) for job, tasks in cluster.items()}
+
+    @property
+    def jobs(self):
+        return list(self._cluster)
+
+    def as_dict(self):
+        return {job: list(tasks) for job, tasks in self._cluster.items()}
+
+    def num_tasks(self, job_name):
+        return len(self._cluster[job_name])
+
+    def task_address(self, job_name, task_index):
+        return self._cluster[job_name][task_index]
+
+    def __eq__(self, other):
+        return isinstance(other, ClusterSpec) and self._cluster == other._cluster
+
+    def __repr__(self):
+        return f"ClusterSpec({self._cluster!r})"
+
+
+_LOCAL_NAMES = (None, "", "local")
+
+
+def _strip_grpc(address):
+    return address[len("grpc://"):] if address.startswith("grpc://") else address
+
+
+class TPUClusterResolver:
+    """Finds the (simulated) TPU, in the shape of TensorFlow's ``TPUClusterResolver``.
+
+    Args:
+        tpu: ``None``, ``""`` or ``"local"`` for the local simulated TPU; a
+            ``"grpc://host:port"`` address or a TPU name (accepted and
+            reported; the TPU is still simulated locally); or, for a pod, a
+            list or comma-separated string of ``host:port`` worker addresses,
+            the first being the coordinator. When ``None``, the environment
+            variables ``KERAS_TPU_WORKERS``, ``COLAB_TPU_ADDR`` and
+            ``TPU_NAME`` are read, in that order.
+        zone, project: accepted for compatibility; unused.
+        job_name: the job name in :meth:`cluster_spec` (``"worker"``).
+        accelerator_type: the simulated TPU type, e.g. ``"v2-8"`` (default),
+            ``"v3-8"``, ``"v4-8"``, ``"v5litepod-8"``.
+        task_index: this process's index among the workers of a pod
+            (default: ``KERAS_TPU_TASK_INDEX`` or 0).
+
+    Example:
+        >>> resolver = TPUClusterResolver("grpc://10.0.0.2:8470")
+        >>> resolver.master(), resolver.num_accelerators()
+        ('grpc://10.0.0.2:8470', {'TPU': 8})
+    """
+
+    def __init__(self, tpu=None, zone=None, project=None, job_name="worker",
+                 accelerator_type=DEFAULT_ACCELERATOR_TYPE, task_index=None, **unused_tf_kwargs):
+        self.zone = zone
+        self.project = project
+        self.job_name = job_name
+        self.spec, self.total_cores = accelerator_spec(accelerator_type)
+        self.accelerator_type = f"{self.spec.generation}-{self.total_cores}"
+        self.tpu, self.workers = self._resolve_workers(tpu)
+        if task_index is None:
+            task_index = os.environ.get("KERAS_TPU_TASK_INDEX", "0")
+        try:
+            self.task_index = int(task_index)
+        except ValueError:
+            raise ValueError(f"The task index must be an integer; got {task_index!r}.") from None
+        if not 0 <= self.task_index < max(1, len(self.workers)):
+            raise ValueError(
+                f"Task index {self.task_index} is out of range for {len(self.workers)} worker(s) "
+                f"{self.workers}."
+            )
+
+    @staticmethod
+    def _resolve_workers(tpu):
+        if tpu is None:
+            tpu = (os.environ.get("KERAS_TPU_WORKERS") or os.environ.get("COLAB_TPU_ADDR")
+                   or os.environ.get("TPU_NAME"))
+            if tpu and os.environ.get("COLAB_TPU_ADDR") == tpu:
+                tpu = "grpc://" + tpu
+        if isinstance(tpu, (list, tuple)):
+            workers = [_strip_grpc(str(w).strip()) for w in tpu if str(w).strip()]
+            return ",".join(workers), workers
+        if not isinstance(tpu, (str, type(None))):
+            raise TypeError(f"`tpu` must be a string, a list of worker addresses or None; got {tpu!r}.")
+        if tpu in _LOCAL_NAMES:
+            return "local", []
+        parts = [_strip_grpc(p.strip()) for p in tpu.split(",") if p.strip()]
+        if len(parts) > 1 or ":" in parts[0]:
+            return tpu, parts
+        return tpu, []  # a TPU name: nothing to resolve here
+
+    @property
+    def num_workers(self):
+        return max(1, len(self.workers))
+
+    @property
+    def is_local(self):
+        return not self.workers
+
+    def master(self, task_type=None, task_id=None, rpc_layer=None):
+        """The address of the TPU (the coordinator of a pod); ``""`` for the local TPU."""
+        if not self.workers:
+            return ""
+        index = 0 if task_id is None else task_id
+        return f"{rpc_layer or 'grpc'}://{self.workers[index]}"
+
+    get_master = master
+
+    def get_job_name(self):
+        return self.job_name
+
+    def cluster_spec(self):
+        """All workers, as ``ClusterSpec({"worker": [...]})`` (empty for the local TPU)."""
+        return ClusterSpec({self.job_name: list(self.workers)} if self.workers else {})
+
+    def num_accelerators(self, task_type=None, task_id=None, config_proto=None):
+        """TPU cores per worker, as TensorFlow reports them: ``{"TPU": 8}``."""
+        return {"TPU": self.cores_per_worker}
+
+    @property
+    def cores_per_worker(self):
+        return self.total_cores // self.num_workers if self.workers else host.cores_per_worker()
+
+    def __repr__(self):
+        return (f"TPUClusterResolver(tpu={self.tpu!r}, accelerator_type={self.accelerator_type!r}, "
+                f"workers={self.num_workers})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """What :func:`initialize_tpu_system` found: the simulated TPU's shape and speeds."""
+
+    accelerator_type: str
+    spec: AcceleratorSpec
+    num_workers: int
+    cores_per_worker: int
+    layout: "object"  # keras_tpu.cores.CoreLayout
+
+    @property
+    def num_cores(self):
+        return self.num_workers * self.cores_per_worker
+
+    @property
+    def num_chips(self):
+        return math.ceil(self.num_cores / self.spec.cores_per_chip)
+
+    @property
+    def mxus_per_core(self):
+        return self.spec.mxus_per_core
+
+    @property
+    def mxu_shape(self):
+        return (self.spec.mxu_rows, self.spec.mxu_cols)
+
+    @property
+    def clock_hz(self):
+        return self.spec.clock_hz
+
+    @property
+    def hbm_bytes_per_core(self):
+        return self.spec.hbm_bytes_per_core
+
+    @property
+    def hbm_bytes_per_second_per_core(self):
+        return self.spec.hbm_bytes_per_second_per_core
+
+    @property
+    def peak_flops_per_core(self):
+        return self.spec.peak_flops_per_core
+
+    @property
+    def mesh(self):
+        """The JAX device mesh the cores run on (axis ``"tpu_device"``)."""
+        return self.layout.mesh
+
+    def describe(self):
+        """A multi-line human-readable summary."""
+        rows, cols = self.mxu_shape
+        return "\n".join([
+            f"TPU {self.accelerator_type}: {self.num_chips} chips x {self.spec.cores_per_chip} cores "
+            f"= {self.num_cores} cores on {self.num_workers} worker(s)",
+            f"  per core: {self.mxus_per_core} MXU(s) of {rows}x{cols} at {self.clock_hz / 1e6:.0f} MHz "
+            f"({self.peak_flops_per_core / 1e12:.1f} TFLOP/s bf16), "
+            f"{self.hbm_bytes_per_core / GIB:.1f} GiB HBM at {self.hbm_bytes_per_second_per_core / 1e9:.0f} GB/s",
+            f"  simulated on {self.layout.describe()}",
+        ])
+
+
+_topology = None
+
+
+def experimental_connect_to_cluster(cluster_spec_or_resolver=None, **unused):
+    """Accepted for TF 2 compatibility: the simulated TPU needs no remote connection.
+
+    Example:
+        >>> experimental_connect_to_cluster(TPUClusterResolver())
+    """
+    resolver = cluster_spec_or_resolver
+    if isinstance(resolver, TPUClusterResolver) and not resolver.is_local:
+        logger.info("Connecting to %s (the TPU is simulated in this process).", resolver.master())
+
+
+def initialize_tpu_system(resolver=None):
+    """Start the simulated TPU and return its :class:`Topology`.
+
+    Logs what it found, as TensorFlow does. Calling it again with the same
+    accelerator type returns the same topology.
+
+    Example:
+        >>> topology = initialize_tpu_system(TPUClusterResolver(tpu="grpc://10.0.0.2:8470"))
+        >>> topology.num_cores
+        8
+    """
+    global _topology
+    from keras_tpu.cores import CoreLayout
+
+    if resolver is None:
+        resolver = TPUClusterResolver()
+    if not isinstance(resolver, TPUClusterResolver):
+        raise TypeError(f"initialize_tpu_system expects a TPUClusterResolver; got {type(resolver).__name__}.")
+    where = resolver.master() or "local"
+    if _topology is not None and _topology.accelerator_type == resolver.accelerator_type \
+            and _topology.num_workers == resolver.num_workers:
+        topology = _topology
+    else:
+        layout = CoreLayout(resolver.cores_per_worker * resolver.num_workers)
+        topology = Topology(resolver.accelerator_type, resolver.spec, resolver.num_workers,
+                            resolver.cores_per_worker, layout)
+        _topology = topology
+    logger.info("Initializing the TPU system: %s (simulated in this process).", where)
+    logger.info("Found TPU system:")
+    logger.info("*** Num TPU Cores: %d", topology.num_cores)
+    logger.info("*** Num TPU Workers: %d", topology.num_workers)
+    logger.info("*** Num TPU Cores Per Worker: %d", topology.cores_per_worker)
+    for core, device in enumerate(topology.layout.core_devices()):
+        logger.info("*** Available Device: /job:%s/replica:0/task:%d/device:TPU:%d -> %s",
+                    resolver.job_name, core // topology.cores_per_worker, core, device)
+    return topology
+
+
+def current_topology():
+    """The topology of the initialized TPU system, initializing the local v2-8 if needed."""
+    return _topology if _topology is not None else initialize_tpu_system(TPUClusterResolver())

@@ -1,0 +1,133 @@
+"""Prepare this process before JAX starts: Keras on JAX, and one JAX device per TPU core.
+
+The simulated TPU's cores are JAX devices. On a CPU-only host JAX shows a
+single CPU device unless it is told, before its backend starts, to split the
+host into several virtual devices. ``keras_tpu`` therefore runs
+:func:`prepare_host` when it is imported.
+
+If JAX is already running (a Keras model was built before ``import
+keras_tpu``), the device count can no longer change. The simulated TPU still
+works: :class:`keras_tpu.cores.CoreLayout` then places several cores on each
+device, with identical results. :func:`devices_for_cores` explains how to get
+one device per core.
+"""
+
+import os
+import re
+import sys
+
+from keras_tpu._logging import logger
+
+#: Cores per worker (one host of a TPU board); a pod test may use fewer.
+DEFAULT_CORES_PER_WORKER = 8
+
+
+def cores_per_worker():
+    """The number of TPU cores this process simulates (``KERAS_TPU_CORES_PER_WORKER``, default 8)."""
+    raw = os.environ.get("KERAS_TPU_CORES_PER_WORKER", str(DEFAULT_CORES_PER_WORKER))
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(
+            f"KERAS_TPU_CORES_PER_WORKER must be a positive integer; got {raw!r}."
+        ) from None
+    if value < 1:
+        raise ValueError(f"KERAS_TPU_CORES_PER_WORKER must be >= 1; got {value}.")
+    return value
+
+
+def _require_keras_on_jax():
+    requested = os.environ.get("KERAS_BACKEND")
+    if "keras" in sys.modules:
+        import keras
+
+        active = keras.backend.backend()
+        if active != "jax":
+            raise ImportError(
+                f"keras_tpu runs Keras on its JAX backend, but Keras was imported with the "
+                f"{active!r} backend. Set the environment variable KERAS_BACKEND=jax before "
+                f"Python starts (or import keras_tpu before keras)."
+            )
+        return
+    if requested not in (None, "", "jax"):
+        raise ImportError(
+            f"keras_tpu runs Keras on its JAX backend, but KERAS_BACKEND={requested!r}. "
+            f"Unset it or set KERAS_BACKEND=jax."
+        )
+    os.environ["KERAS_BACKEND"] = "jax"
+
+
+def _xla_flag_device_count():
+    match = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(match.group(1)) if match else None
+
+
+def _request_virtual_devices(count):
+    """Ask JAX for ``count`` CPU devices. Returns False if JAX has already started."""
+    import jax
+
+    current = jax.config.jax_num_cpu_devices
+    flagged = _xla_flag_device_count()
+    if current >= count or (current < 0 and flagged is not None and flagged >= count):
+        return True  # the user already arranged enough devices
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
+        return False
+    return True
+
+
+_devices_requested = None
+
+
+def prepare_host():
+    """Make Keras use JAX and give JAX one virtual CPU device per simulated core.
+
+    Called on ``import keras_tpu``; safe to call again.
+
+    Example:
+        >>> from keras_tpu import host
+        >>> host.prepare_host()
+    """
+    global _devices_requested
+    _require_keras_on_jax()
+    if _devices_requested is None:
+        _devices_requested = _request_virtual_devices(cores_per_worker())
+        if not _devices_requested:
+            logger.debug("JAX was already running when keras_tpu was imported.")
+
+
+def devices_for_cores(num_cores):
+    """The JAX devices that will hold ``num_cores`` cores, and how many cores each holds.
+
+    Uses as many devices as possible such that every device holds the same
+    number of cores. When fewer devices than cores exist, logs once how to get
+    one device per core.
+
+    Example:
+        >>> devices, cores_per_device = devices_for_cores(8)
+    """
+    import jax
+
+    available = jax.local_devices()
+    count = max(d for d in range(1, num_cores + 1) if num_cores % d == 0 and d <= len(available))
+    if count < num_cores:
+        _warn_few_devices(len(available), num_cores, count)
+    return available[:count], num_cores // count
+
+
+_warned_few_devices = False
+
+
+def _warn_few_devices(available, num_cores, used):
+    global _warned_few_devices
+    if _warned_few_devices:
+        return
+    _warned_few_devices = True
+    logger.warning(
+        "JAX started with %d device(s) before keras_tpu could arrange %d, so %d TPU cores "
+        "run on each of %d device(s). Results are the same, but for one device per core "
+        "import keras_tpu before building any Keras model or JAX array (or start Python "
+        "with XLA_FLAGS=--xla_force_host_platform_device_count=%d).",
+        available, num_cores, num_cores // used, used, num_cores,
+    )

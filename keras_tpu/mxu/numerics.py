@@ -1,0 +1,142 @@
+"""MXU arithmetic: bfloat16 multiplies, float32 accumulation, and the multi-pass precisions.
+
+A TPU's matrix unit multiplies bfloat16 numbers and accumulates in float32.
+A float32 matmul therefore runs, by default, as one pass on inputs rounded to
+bfloat16. For more accuracy XLA splits each float32 operand into a sum of
+bfloat16 parts and adds several bf16 products (JAX's documented TPU
+semantics):
+
+=========  ============================  ======  =====================================
+precision  aliases                       passes  products (hi/mid/lo parts)
+=========  ============================  ======  =====================================
+default    ``bfloat16``, ``fastest``       1     hi*hi
+high       ``bfloat16_3x``                 3     lo*hi + hi*lo + hi*hi
+highest    ``float32``                     6     lo*hi + mid*mid + hi*lo + mid*hi + hi*mid + hi*hi
+=========  ============================  ======  =====================================
+
+The product of two bfloat16 numbers (8-bit significands) is exact in float32
+(24-bit significand), so multiplying the rounded values in float32 gives
+exactly the MXU's products; XLA:CPU then accumulates in float32. (Doing the
+same with bfloat16 operands directly is avoided: XLA:CPU does not handle every
+bf16 x bf16 -> f32 dot.)
+"""
+
+import enum
+
+import jax.numpy as jnp
+from jax import lax
+
+
+class Precision(enum.Enum):
+    """How many bfloat16 passes an MXU op makes."""
+
+    DEFAULT = 1
+    HIGH = 3
+    HIGHEST = 6
+
+    @property
+    def passes(self):
+        return self.value
+
+
+_NAMES = {
+    "default": Precision.DEFAULT, "bfloat16": Precision.DEFAULT, "fastest": Precision.DEFAULT,
+    "high": Precision.HIGH, "bfloat16_3x": Precision.HIGH,
+    "highest": Precision.HIGHEST, "float32": Precision.HIGHEST,
+}
+
+
+def canonical_precision(precision):
+    """Normalise a precision given as a name, ``jax.lax.Precision`` or :class:`Precision`.
+
+    ``None`` means ``"default"``.
+
+    Example:
+        >>> canonical_precision("bfloat16_3x")
+        <Precision.HIGH: 3>
+    """
+    if precision is None:
+        return Precision.DEFAULT
+    if isinstance(precision, Precision):
+        return precision
+    if isinstance(precision, lax.Precision):
+        return Precision[precision.name]
+    if isinstance(precision, (tuple, list)) and len(precision) == 2:
+        # dot_general/conv carry one precision per operand; the MXU uses the higher.
+        first, second = (canonical_precision(p) for p in precision)
+        return max(first, second, key=lambda p: p.passes)
+    if isinstance(precision, str) and precision.lower() in _NAMES:
+        return _NAMES[precision.lower()]
+    raise ValueError(
+        f"Unknown MXU precision {precision!r}. Use one of: "
+        + ", ".join(repr(n) for n in _NAMES)
+        + ", a jax.lax.Precision, or None."
+    )
+
+
+def op_precision(requested, default):
+    """The precision an op runs at: its own if it asked for more than DEFAULT, else the default.
+
+    On a TPU, ``precision=None``/``DEFAULT`` in an op means "the configured
+    default"; an explicit ``HIGH``/``HIGHEST`` is honoured.
+    """
+    own = canonical_precision(requested)
+    return own if own is not Precision.DEFAULT else canonical_precision(default)
+
+
+def round_to_bfloat16(x):
+    """Round to the nearest bfloat16 (ties to even) and return float32.
+
+    Example:
+        >>> float(round_to_bfloat16(jnp.float32(1.0 + 2**-9)))
+        1.0
+    """
+    return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def split_bfloat16(x, parts):
+    """Split ``x`` into ``parts`` bfloat16-valued float32 arrays whose sum approximates ``x``.
+
+    The first part is ``x`` rounded to bfloat16, each next part the rounded
+    remainder, so three parts carry all 24 bits of a float32 significand.
+    """
+    x = x.astype(jnp.float32)
+    pieces = []
+    for _ in range(parts):
+        piece = round_to_bfloat16(x)
+        pieces.append(piece)
+        x = x - piece
+    return pieces
+
+
+# (lhs part, rhs part) products per precision, smallest first so that the
+# float32 sum loses as little as possible (the order XLA uses for bf16_3x/6x).
+PASS_PRODUCTS = {
+    Precision.DEFAULT: ((0, 0),),
+    Precision.HIGH: ((1, 0), (0, 1), (0, 0)),
+    Precision.HIGHEST: ((2, 0), (1, 1), (0, 2), (1, 0), (0, 1), (0, 0)),
+}
+
+_PARTS = {Precision.DEFAULT: 1, Precision.HIGH: 2, Precision.HIGHEST: 3}
+
+
+def multipass(bilinear, lhs, rhs, precision):
+    """Evaluate ``bilinear(lhs, rhs)`` as the MXU does at ``precision``.
+
+    ``bilinear`` must be a float32 bilinear op (a dot or a convolution)
+    called on bfloat16-valued float32 operands; the passes are summed in
+    float32.
+    """
+    precision = canonical_precision(precision)
+    lhs_parts = split_bfloat16(lhs, _PARTS[precision])
+    rhs_parts = split_bfloat16(rhs, _PARTS[precision])
+    total = None
+    for i, j in PASS_PRODUCTS[precision]:
+        product = bilinear(lhs_parts[i], rhs_parts[j])
+        total = product if total is None else total + product
+    return total
+
+
+def is_mxu_dtype(dtype):
+    """Float types the MXU takes (float64 is not a TPU type and stays off the MXU)."""
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize <= 4

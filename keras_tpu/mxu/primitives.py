@@ -1,0 +1,195 @@
+"""The MXU as JAX primitives: ``mxu_dot_general`` and ``mxu_conv``.
+
+Each takes the same operands and parameters as ``lax.dot_general`` /
+``lax.conv_general_dilated`` plus ``mxu_precision``, and computes what a TPU
+matrix unit computes (see :mod:`keras_tpu.mxu.numerics`). Being primitives,
+they appear by name in jaxprs, so a traced program's MXU work can be found and
+costed (:mod:`keras_tpu.mxu.program`).
+
+Their autodiff and batching rules reuse JAX's rules for the plain ops and
+route the ops those rules produce back onto the MXU, so ``grad`` and ``vmap``
+of MXU code stay on the MXU.
+
+Lowering: the arithmetic is done by XLA on bfloat16-rounded float32
+operands (exact products, float32 accumulation). A convolution is lowered to
+XLA's own convolution rather than an explicit im2col GEMM: the numbers are the
+same up to float32 summation order, and XLA:CPU's convolution is several times
+faster than materialising the im2col matrix. The im2col mapping onto the
+array is what the cost model (:mod:`keras_tpu.mxu.cost`) and the reference
+systolic array (:mod:`keras_tpu.mxu.systolic`) use.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend import core as jex_core
+from jax.interpreters import ad, batching, mlir
+
+from keras_tpu.mxu.numerics import Precision, canonical_precision, multipass
+
+
+def _f32_dot(dimension_numbers):
+    return lambda a, b: lax.dot_general(a, b, dimension_numbers, precision=lax.Precision.HIGHEST,
+                                        preferred_element_type=jnp.float32)
+
+
+def _f32_conv(window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+              feature_group_count, batch_group_count):
+    return lambda a, b: lax.conv_general_dilated(
+        a, b, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+        feature_group_count, batch_group_count, precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32)
+
+
+class _MXUOp:
+    """One MXU primitive: the plain lax op it replaces and how to run it on the MXU."""
+
+    def __init__(self, name, plain_primitive, plain_fn, f32_op):
+        self.primitive = jex_core.Primitive(name)
+        self.plain_primitive = plain_primitive
+        self.plain_fn = plain_fn      # (lhs, rhs, **plain_params) -> lax op
+        self.f32_op = f32_op          # (**geometry params) -> bilinear float32 op
+        p = self.primitive
+        p.def_impl(self._eager)
+        p.def_abstract_eval(self._abstract_eval)
+        mlir.register_lowering(p, mlir.lower_fun(self._compute, multiple_results=False))
+        ad.defbilinear(p, self._transpose_rule(0), self._transpose_rule(1))
+        batching.primitive_batchers[p] = self._batch_rule
+
+    @staticmethod
+    def split_params(params):
+        params = dict(params)
+        precision = params.pop("mxu_precision")
+        return precision, params
+
+    def _abstract_eval(self, lhs, rhs, **params):
+        _, plain = self.split_params(params)
+        aval, _effects = self.plain_primitive.abstract_eval(lhs, rhs, precision=None, **plain)
+        return aval
+
+    def _compute(self, lhs, rhs, **params):
+        precision, plain = self.split_params(params)
+        geometry = {k: v for k, v in plain.items() if k not in ("preferred_element_type", "out_sharding")}
+        result = multipass(self.f32_op(**geometry), lhs, rhs, precision)
+        out_dtype = self._abstract_eval(jax.typeof(lhs), jax.typeof(rhs), **params).dtype
+        return result.astype(out_dtype)
+
+    def _eager(self, lhs, rhs, **params):
+        return _jitted(self, _freeze(params))(lhs, rhs)
+
+    def _transpose_rule(self, operand):
+        def rule(cotangent, lhs, rhs, **params):
+            from keras_tpu.mxu.routing import route
+
+            precision, plain = self.split_params(params)
+            unknown, known = (lhs, rhs) if operand == 0 else (rhs, lhs)
+
+            def forward(u):
+                a, b = (u, known) if operand == 0 else (known, u)
+                return self.plain_fn(a, b, **plain)
+
+            transpose = jax.linear_transpose(forward, jax.ShapeDtypeStruct(unknown.aval.shape, unknown.aval.dtype))
+            (result,) = route(transpose, precision=precision)(cotangent)
+            return result
+        return rule
+
+    def _batch_rule(self, args, dims, **params):
+        from keras_tpu.mxu.routing import route
+
+        precision, plain = self.split_params(params)
+        batched = jax.vmap(functools.partial(self.plain_fn, **plain), in_axes=tuple(dims))
+        return route(batched, precision=precision)(*args), 0
+
+    def bind(self, lhs, rhs, precision, **plain_params):
+        return self.primitive.bind(lhs, rhs, mxu_precision=canonical_precision(precision), **plain_params)
+
+
+def _freeze(params):
+    return tuple(sorted(params.items()))
+
+
+@functools.lru_cache(maxsize=512)
+def _jitted(op, frozen_params):
+    params = dict(frozen_params)
+    return jax.jit(lambda lhs, rhs: op.primitive.bind(lhs, rhs, **params))
+
+
+def _plain_dot(lhs, rhs, *, dimension_numbers, preferred_element_type=None, out_sharding=None):
+    return lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=preferred_element_type,
+                           out_sharding=out_sharding)
+
+
+def _plain_conv(lhs, rhs, *, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+                feature_group_count, batch_group_count, preferred_element_type=None, out_sharding=None):
+    return lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+                                    dimension_numbers, feature_group_count, batch_group_count,
+                                    preferred_element_type=preferred_element_type,
+                                    out_sharding=out_sharding)
+
+
+DOT = _MXUOp("mxu_dot_general", lax.dot_general_p, _plain_dot, _f32_dot)
+CONV = _MXUOp("mxu_conv", lax.conv_general_dilated_p, _plain_conv, _f32_conv)
+
+mxu_dot_general_p = DOT.primitive
+mxu_conv_p = CONV.primitive
+MXU_PRIMITIVES = (mxu_dot_general_p, mxu_conv_p)
+
+
+def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    """``lax.dot_general`` on the MXU.
+
+    Example:
+        >>> out = dot_general(jnp.ones((4, 3)), jnp.ones((3, 2)), (((1,), (0,)), ((), ())))
+    """
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    if preferred_element_type is None and lhs.dtype != rhs.dtype:
+        common = jnp.result_type(lhs, rhs)
+        lhs, rhs = lhs.astype(common), rhs.astype(common)
+    (lc, rc), (lb, rb) = dimension_numbers
+    dn = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
+    pet = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
+    return DOT.bind(lhs, rhs, precision, dimension_numbers=dn, preferred_element_type=pet, out_sharding=None)
+
+
+def matmul(lhs, rhs, precision=None):
+    """Matrix product on the MXU (``jnp.matmul`` semantics, float32 result for float32 inputs).
+
+    Inputs are rounded to bfloat16, products are exact, sums are float32.
+    ``precision`` is ``"default"`` (one bf16 pass), ``"high"`` (bf16_3x) or
+    ``"highest"`` (bf16_6x); aliases ``"bfloat16"``, ``"bfloat16_3x"``,
+    ``"float32"`` and ``jax.lax.Precision`` values are accepted.
+
+    Example:
+        >>> import keras_tpu
+        >>> c = keras_tpu.mxu.matmul(jnp.ones((128, 256)), jnp.ones((256, 64)))
+        >>> c.shape, c.dtype
+        ((128, 64), dtype('float32'))
+    """
+    from keras_tpu.mxu.routing import route
+
+    return route(jnp.matmul, precision=canonical_precision(precision))(lhs, rhs)
+
+
+def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+                         dimension_numbers=None, feature_group_count=1, batch_group_count=1,
+                         precision=None, preferred_element_type=None):
+    """``lax.conv_general_dilated`` on the MXU (same arguments).
+
+    Example:
+        >>> y = conv_general_dilated(jnp.ones((2, 8, 8, 3)), jnp.ones((3, 3, 3, 4)), (1, 1), "SAME",
+        ...                          dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    """
+    from keras_tpu.mxu.routing import route
+
+    def conv(a, b):
+        return lax.conv_general_dilated(a, b, window_strides, padding, lhs_dilation, rhs_dilation,
+                                        dimension_numbers, feature_group_count, batch_group_count,
+                                        preferred_element_type=preferred_element_type)
+
+    return route(conv, precision=canonical_precision(precision))(lhs, rhs)
+
+
+__all__ = ["Precision", "mxu_dot_general_p", "mxu_conv_p", "MXU_PRIMITIVES", "dot_general", "matmul",
+           "conv_general_dilated"]

@@ -1,0 +1,132 @@
+"""The MXU work of a traced program: every MXU op, its GEMM shape, cost and origin.
+
+After :func:`keras_tpu.mxu.route`, a program's matrix work is the
+``mxu_dot_general`` and ``mxu_conv`` equations of its jaxpr. :func:`mxu_ops`
+finds them all (inside loops, branches and nested calls), maps each onto the
+array (see :mod:`keras_tpu.mxu.cost`) and records where it came from: the
+name stack that JAX keeps, which for a Keras model names the layer, and
+whether autodiff made it (backward) or not (forward).
+"""
+
+import dataclasses
+import math
+import re
+
+import jax
+
+from keras_tpu import rewrite
+from keras_tpu.mxu.cost import GemmCost
+from keras_tpu.mxu.numerics import Precision
+from keras_tpu.mxu.primitives import mxu_conv_p, mxu_dot_general_p
+from keras_tpu.mxu.routing import route
+
+
+@dataclasses.dataclass(frozen=True)
+class MXUOp:
+    """One MXU operation of a program, as it runs on one core."""
+
+    kind: str                 # "dot" or "conv"
+    name_stack: str           # JAX's name stack, e.g. "transpose(jvp(functional))/conv2d"
+    scopes: tuple             # the name scopes without transformations, outermost first
+    backward: bool            # created by autodiff (a transposed op)
+    cost: GemmCost            # one execution, all groups and bf16 passes included
+    repeats: int              # executions per program call (scan trip counts multiplied)
+    precision: Precision
+    lhs_shape: tuple
+    rhs_shape: tuple
+    out_shape: tuple
+    in_loop: bool = False     # inside a while loop: trip count unknown, counted once
+    in_branch: bool = False   # inside a cond branch: may not run
+
+    @property
+    def pass_name(self):
+        return "backward" if self.backward else "forward"
+
+    @property
+    def cycles(self):
+        """Cycles of all executions per program call."""
+        return self.repeats * self.cost.cycles
+
+    @property
+    def macs(self):
+        return self.repeats * self.cost.macs // self.precision.passes
+
+
+_TRANSFORM = re.compile(r"^(\w+)\((.*)\)$")
+
+
+def split_name_stack(name_stack):
+    """``"transpose(jvp(model))/dense"`` -> ``(("model", "dense"), {"transpose", "jvp"})``."""
+    scopes, transforms = [], set()
+    for part in str(name_stack).split("/"):
+        match = _TRANSFORM.match(part)
+        while match:
+            transforms.add(match.group(1))
+            part = match.group(2)
+            match = _TRANSFORM.match(part)
+        if part:
+            scopes.append(part)
+    return tuple(scopes), transforms
+
+
+def _dot_gemm(eqn):
+    lhs, rhs = (v.aval.shape for v in eqn.invars)
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    free_l = [d for i, d in enumerate(lhs) if i not in lc and i not in lb]
+    free_r = [d for i, d in enumerate(rhs) if i not in rc and i not in rb]
+    batch = math.prod(lhs[i] for i in lb)
+    return math.prod(free_l), math.prod(lhs[i] for i in lc), math.prod(free_r), batch
+
+
+def _conv_gemm(eqn):
+    lhs, rhs = (v.aval.shape for v in eqn.invars)
+    out = eqn.outvars[0].aval.shape
+    dn = eqn.params["dimension_numbers"]
+    groups = eqn.params["feature_group_count"] * eqn.params["batch_group_count"]
+    out_positions = math.prod(out[i] for i in dn.out_spec[2:])
+    kernel_positions = math.prod(rhs[i] for i in dn.rhs_spec[2:])
+    m = out[dn.out_spec[0]] * out_positions
+    k = kernel_positions * rhs[dn.rhs_spec[1]]
+    n = rhs[dn.rhs_spec[0]] // groups
+    return m, k, n, groups
+
+
+def mxu_ops(closed_jaxpr, rows=128, cols=128):
+    """All MXU ops of a routed program's jaxpr, in program order.
+
+    Example:
+        >>> ops = mxu_ops(jax.make_jaxpr(route(lambda a, b: a @ b))(jnp.ones((8, 4)), jnp.ones((4, 2))))
+        >>> ops[0].cost.m, ops[0].cost.k, ops[0].cost.n
+        (8, 4, 2)
+    """
+    found = rewrite.walk(closed_jaxpr, lambda e: e.primitive in (mxu_dot_general_p, mxu_conv_p))
+    ops = []
+    for occurrence in found:
+        eqn = occurrence.eqn
+        kind = "dot" if eqn.primitive is mxu_dot_general_p else "conv"
+        m, k, n, count = (_dot_gemm if kind == "dot" else _conv_gemm)(eqn)
+        if min(m, k, n, count) == 0:
+            continue  # an empty product does no work
+        precision = eqn.params["mxu_precision"]
+        scopes, transforms = split_name_stack(occurrence.name_stack)
+        ops.append(MXUOp(
+            kind=kind, name_stack=occurrence.name_stack, scopes=scopes, backward="transpose" in transforms,
+            cost=GemmCost(m, k, n, rows, cols, count * precision.passes),
+            repeats=occurrence.repeats, precision=precision,
+            lhs_shape=tuple(eqn.invars[0].aval.shape), rhs_shape=tuple(eqn.invars[1].aval.shape),
+            out_shape=tuple(eqn.outvars[0].aval.shape),
+            in_loop=occurrence.in_loop, in_branch=occurrence.in_branch,
+        ))
+    return ops
+
+
+def trace_mxu_ops(fun, *args, precision="default", rows=128, cols=128, **kwargs):
+    """Route ``fun`` onto the MXU, trace it with ``args`` and return its :class:`MXUOp` list.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> ops = trace_mxu_ops(jax.grad(lambda w, x: jnp.sum(x @ w)), jnp.ones((3, 2)), jnp.ones((4, 3)))
+        >>> [op.pass_name for op in ops]
+        ['forward', 'backward']
+    """
+    return mxu_ops(jax.make_jaxpr(route(fun, precision))(*args, **kwargs), rows, cols)

@@ -1,0 +1,204 @@
+"""Rewriting JAX programs: replace chosen operations everywhere in a traced function.
+
+A *rule* looks at one jaxpr equation and returns a replacement equation of
+the same type (same operands and results), or ``None`` to keep it. The
+rewrite reaches every nested program: ``jit`` calls, ``scan``/``while``
+bodies, ``cond`` branches, ``remat``, ``shard_map``, and the primal, JVP,
+forward and backward functions of ``custom_jvp``/``custom_vjp``. Because the
+rewrite is structural (equations are swapped, nothing is re-traced) shapes,
+dtypes, weak types and the name stacks that tie operations to Keras layers
+are kept exactly.
+
+The MXU routing (:mod:`keras_tpu.mxu.routing`) and the vector-unit lowerings
+(:mod:`keras_tpu.vector_unit`) are rules.
+"""
+
+import dataclasses
+import functools
+
+import jax
+from jax.extend import core as jex_core
+from jax.extend import linear_util as lu
+from jax.extend import source_info_util
+
+# Calls whose bodies are not ordinary XLA programs and must not be rewritten.
+_OPAQUE_PRIMITIVES = {"pallas_call", "custom_call"}
+
+
+def compose(*rules):
+    """A rule that tries ``rules`` in order and uses the first replacement."""
+    def composed(eqn):
+        for rule in rules:
+            replacement = rule(eqn)
+            if replacement is not None:
+                return replacement
+        return None
+    return composed
+
+
+class _Rewriter:
+    def __init__(self, rule):
+        self.rule = rule
+        self._memo = {}
+
+    def jaxpr(self, jaxpr):
+        key = id(jaxpr)
+        if key not in self._memo:
+            self._memo[key] = (jaxpr, jaxpr.replace(eqns=[self.eqn(e) for e in jaxpr.eqns]))
+        return self._memo[key][1]
+
+    def closed(self, closed):
+        return closed.replace(jaxpr=self.jaxpr(closed.jaxpr))
+
+    def value(self, value):
+        if isinstance(value, jex_core.ClosedJaxpr):
+            return self.closed(value)
+        if isinstance(value, jex_core.Jaxpr):
+            return self.jaxpr(value)
+        if isinstance(value, tuple) and value and all(
+                isinstance(v, (jex_core.ClosedJaxpr, jex_core.Jaxpr)) for v in value):
+            return tuple(self.value(v) for v in value)
+        return value
+
+    def eqn(self, eqn):
+        replacement = self.rule(eqn)
+        if replacement is not None:
+            return replacement
+        name = eqn.primitive.name
+        if name in _OPAQUE_PRIMITIVES:
+            return eqn
+        params = {k: self.value(v) for k, v in eqn.params.items()}
+        if name == "custom_jvp_call":
+            params["jvp_jaxpr_fun"] = self._jaxpr_thunk(eqn.params["jvp_jaxpr_fun"])
+        elif name == "custom_vjp_call":
+            params["fwd_jaxpr_thunk"] = self._jaxpr_thunk(eqn.params["fwd_jaxpr_thunk"])
+            params["bwd"] = self._function(eqn.params["bwd"])
+        if all(params[k] is eqn.params[k] for k in params):
+            return eqn
+        return eqn.replace(params=params)
+
+    def _jaxpr_thunk(self, thunk):
+        """Wrap a custom_jvp/custom_vjp rule thunk so the jaxpr it returns is rewritten too."""
+        rewrite = self.jaxpr
+
+        def rewritten(*args):
+            jaxpr, consts, *rest = thunk.call_wrapped(*args)
+            return (rewrite(jaxpr), consts, *rest)
+
+        return lu.wrap_init(rewritten, debug_info=thunk.debug_info)
+
+    def _function(self, fun):
+        """Wrap a Python-level function (custom_vjp's bwd) so what it computes is rewritten."""
+        rule = self.rule
+
+        def rewritten(*args):
+            return _trace_rewrite_eval(fun.call_wrapped, args, rule)
+
+        return lu.wrap_init(rewritten, debug_info=fun.debug_info)
+
+
+def rewrite_jaxpr(jaxpr, rule):
+    """Apply ``rule`` to every equation of an (open) jaxpr, recursively."""
+    return _Rewriter(rule).jaxpr(jaxpr)
+
+
+def rewrite_closed_jaxpr(closed, rule):
+    """Apply ``rule`` to every equation of a closed jaxpr, recursively."""
+    return _Rewriter(rule).closed(closed)
+
+
+def _is_array_like(x):
+    return isinstance(x, (jax.Array, jax.core.Tracer)) or hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _trace_rewrite_eval(fun, args, rule):
+    """Run ``fun(*args)`` with ``rule`` applied; non-array arguments/results pass through as-is."""
+    array_positions = [i for i, a in enumerate(args) if _is_array_like(a)]
+    passthrough = {}
+    output_count = []
+
+    def traced(*arrays):
+        full = list(args)
+        for i, a in zip(array_positions, arrays):
+            full[i] = a
+        outs = list(fun(*full))
+        output_count.append(len(outs))
+        kept = []
+        for i, o in enumerate(outs):
+            if _is_array_like(o):
+                kept.append(o)
+            else:
+                passthrough[i] = o
+        return kept
+
+    arrays = [args[i] for i in array_positions]
+    rewritten = rewrite_closed_jaxpr(jax.make_jaxpr(traced)(*arrays), rule)
+    values = iter(jax.core.eval_jaxpr(rewritten.jaxpr, rewritten.consts, *arrays))
+    return [passthrough[i] if i in passthrough else next(values) for i in range(output_count[0])]
+
+
+def transform(fun, rule):
+    """Return a function that computes ``fun`` with ``rule`` applied to its whole program.
+
+    ``fun`` is traced when the result is called (so call the result inside
+    ``jax.jit`` to trace once). Its arguments must be arrays or pytrees of
+    arrays; bind other arguments with ``functools.partial``.
+
+    Example:
+        >>> from keras_tpu.mxu.routing import mxu_rule
+        >>> fast = jax.jit(transform(lambda a, b: a @ b, mxu_rule("default")))
+    """
+    @functools.wraps(fun)
+    def transformed(*args, **kwargs):
+        closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args, **kwargs)
+        rewritten = rewrite_closed_jaxpr(closed, rule)
+        flat = jax.tree.leaves((args, kwargs))
+        out = jax.core.eval_jaxpr(rewritten.jaxpr, rewritten.consts, *flat)
+        return jax.tree.unflatten(jax.tree.structure(out_shape), out)
+
+    return transformed
+
+
+@dataclasses.dataclass(frozen=True)
+class Occurrence:
+    """An equation found by :func:`walk`, with where and how often it runs."""
+
+    eqn: object
+    repeats: int            # times it runs per call of the program (scan lengths multiplied)
+    name_stack: str         # e.g. "transpose(jvp(functional))/conv2d"
+    in_loop: bool           # inside a while loop (trip count unknown; counted once)
+    in_branch: bool         # inside a cond branch (may not run)
+
+
+def walk(closed_or_jaxpr, predicate):
+    """Every equation (recursively) for which ``predicate(eqn)`` is true, as :class:`Occurrence`.
+
+    Example:
+        >>> closed = jax.make_jaxpr(lambda a: jax.lax.scan(lambda c, _: (c @ a, None), a, None, length=4)[0])
+        >>> [o.repeats for o in walk(closed(jnp.ones((2, 2))), lambda e: e.primitive.name == "dot_general")]
+        [4]
+    """
+    jaxpr = closed_or_jaxpr.jaxpr if isinstance(closed_or_jaxpr, jex_core.ClosedJaxpr) else closed_or_jaxpr
+    found = []
+
+    def visit(jaxpr, repeats, prefix, in_loop, in_branch):
+        for eqn in jaxpr.eqns:
+            stack = prefix + eqn.source_info.name_stack
+            if predicate(eqn):
+                found.append(Occurrence(eqn, repeats, str(stack), in_loop, in_branch))
+                continue
+            name = eqn.primitive.name
+            if name in _OPAQUE_PRIMITIVES:
+                continue
+            for key, value in eqn.params.items():
+                subs = value if isinstance(value, tuple) else (value,)
+                for sub in subs:
+                    if isinstance(sub, jex_core.ClosedJaxpr):
+                        sub = sub.jaxpr
+                    if not isinstance(sub, jex_core.Jaxpr):
+                        continue
+                    times = repeats * (eqn.params["length"] if name == "scan" else 1)
+                    visit(sub, times, stack, in_loop or name == "while", in_branch or name == "cond")
+
+    visit(jaxpr, 1, source_info_util.new_name_stack(), False, False)
+    return found

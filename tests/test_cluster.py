@@ -1,0 +1,96 @@
+import logging
+
+import pytest
+
+import keras_tpu
+from keras_tpu.cluster import ACCELERATOR_TYPES, accelerator_spec
+
+
+def test_grpc_address_is_accepted_and_stripped():
+    resolver = keras_tpu.TPUClusterResolver(tpu="grpc://10.0.0.2:8470")
+    assert resolver.workers == ["10.0.0.2:8470"]
+    assert resolver.master() == "grpc://10.0.0.2:8470"
+    assert resolver.cluster_spec().as_dict() == {"worker": ["10.0.0.2:8470"]}
+    assert resolver.num_accelerators() == {"TPU": 8}
+
+
+@pytest.mark.parametrize("local", [None, "", "local"])
+def test_local_names_mean_the_local_tpu(local, monkeypatch):
+    for var in ("COLAB_TPU_ADDR", "TPU_NAME", "KERAS_TPU_WORKERS"):
+        monkeypatch.delenv(var, raising=False)
+    resolver = keras_tpu.TPUClusterResolver(local)
+    assert resolver.is_local and resolver.master() == ""
+    assert resolver.cluster_spec().as_dict() == {}
+    assert resolver.num_accelerators() == {"TPU": 8}
+
+
+def test_colab_and_tpu_name_environment(monkeypatch):
+    monkeypatch.delenv("KERAS_TPU_WORKERS", raising=False)
+    monkeypatch.setenv("COLAB_TPU_ADDR", "10.1.2.3:8470")
+    assert keras_tpu.TPUClusterResolver().master() == "grpc://10.1.2.3:8470"
+    monkeypatch.delenv("COLAB_TPU_ADDR")
+    monkeypatch.setenv("TPU_NAME", "my-tpu")
+    resolver = keras_tpu.TPUClusterResolver()
+    assert resolver.tpu == "my-tpu" and resolver.is_local
+    # An explicit argument wins over the environment.
+    assert keras_tpu.TPUClusterResolver("grpc://1.1.1.1:1").master() == "grpc://1.1.1.1:1"
+
+
+def test_accelerator_types_from_public_specs():
+    for name, mxus, clock in [("v2-8", 1, 700e6), ("v3-8", 2, 940e6), ("v4-8", 4, 1050e6),
+                              ("v5litepod-8", 4, 1500e6)]:
+        spec, cores = accelerator_spec(name)
+        assert cores == 8 and spec.mxus_per_core == mxus and spec.clock_hz == clock
+        assert (spec.mxu_rows, spec.mxu_cols) == (128, 128)
+    v2, _ = accelerator_spec("v2-8")
+    assert v2.peak_flops_per_core == pytest.approx(22.9e12, rel=0.01)
+    assert v2.hbm_bytes_per_core == 8 * 2**30
+    # Chip figures published by Google: v3 123 TFLOP/s, v4 275, v5e 197.
+    for name, chip_tflops in [("v3-8", 123), ("v4-8", 275), ("v5litepod-8", 197)]:
+        spec, _ = accelerator_spec(name)
+        assert spec.peak_flops_per_core * spec.cores_per_chip / 1e12 == pytest.approx(chip_tflops, rel=0.01)
+
+
+def test_unknown_accelerator_type_lists_the_known_ones():
+    with pytest.raises(ValueError) as info:
+        keras_tpu.TPUClusterResolver(accelerator_type="v9-8")
+    message = str(info.value)
+    assert "v9-8" in message and "v2-8" in message and "v5litepod-8" in message
+    with pytest.raises(ValueError):
+        accelerator_spec("v2-7")
+    assert "v3-8" in ACCELERATOR_TYPES
+
+
+def test_initialize_logs_the_tensorflow_lines(caplog):
+    logger = logging.getLogger("keras_tpu")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="keras_tpu"):
+            topology = keras_tpu.initialize_tpu_system(keras_tpu.TPUClusterResolver("grpc://10.0.0.2:8470"))
+    finally:
+        logger.removeHandler(caplog.handler)
+    text = caplog.text
+    assert "Found TPU system:" in text
+    assert "*** Num TPU Cores: 8" in text
+    assert "*** Num TPU Workers: 1" in text
+    assert "*** Num TPU Cores Per Worker: 8" in text
+    assert topology.num_cores == 8 and topology.num_chips == 4 and topology.mxus_per_core == 1
+    assert topology.mxu_shape == (128, 128)
+    assert topology.mesh.devices.size == 8
+    assert "8 cores" in topology.describe()
+
+
+def test_topology_for_other_generations():
+    topology = keras_tpu.initialize_tpu_system(keras_tpu.TPUClusterResolver(accelerator_type="v3-8"))
+    assert topology.accelerator_type == "v3-8" and topology.mxus_per_core == 2
+    assert topology.hbm_bytes_per_core == 16 * 2**30
+    keras_tpu.initialize_tpu_system(keras_tpu.TPUClusterResolver())  # back to the default v2-8
+
+
+def test_bad_resolver_arguments():
+    with pytest.raises(TypeError):
+        keras_tpu.TPUClusterResolver(tpu=42)
+    with pytest.raises(TypeError):
+        keras_tpu.initialize_tpu_system("grpc://x:1")
+    with pytest.raises(ValueError):
+        keras_tpu.TPUClusterResolver(task_index="first")
