@@ -158,8 +158,8 @@ class TPUClusterResolver:
         self.spec, self.total_cores = accelerator_spec(accelerator_type)
         self.accelerator_type = f"{self.spec.generation}-{self.total_cores}"
         self.tpu, self.workers = self._resolve_workers(tpu)
-        if task_index is None:
-            task_index = os.environ.get("KERAS_TPU_TASK_INDEX", "0")
+        if task_index is None:  # the environment names this process's place in a pod
+            task_index = os.environ.get("KERAS_TPU_TASK_INDEX", "0") if len(self.workers) > 1 else 0
         try:
             self.task_index = int(task_index)
         except ValueError:
@@ -318,14 +318,20 @@ def initialize_tpu_system(resolver=None):
         resolver = TPUClusterResolver()
     if not isinstance(resolver, TPUClusterResolver):
         raise TypeError(f"initialize_tpu_system expects a TPUClusterResolver; got {type(resolver).__name__}.")
+    from keras_tpu import pod
+
+    if resolver.num_workers > 1:
+        pod.start(resolver.workers, resolver.task_index)
+    workers, cores_per_worker = resolver.num_workers, resolver.cores_per_worker
+    if pod.is_multi_worker():  # this process belongs to a pod: the pod is the TPU
+        workers, cores_per_worker = pod.num_workers(), host.cores_per_worker()
     where = resolver.master() or "local"
     if _topology is not None and _topology.accelerator_type == resolver.accelerator_type \
-            and _topology.num_workers == resolver.num_workers:
+            and _topology.num_workers == workers:
         topology = _topology
     else:
-        layout = CoreLayout(resolver.cores_per_worker * resolver.num_workers)
-        topology = Topology(resolver.accelerator_type, resolver.spec, resolver.num_workers,
-                            resolver.cores_per_worker, layout)
+        layout = CoreLayout(cores_per_worker * workers)
+        topology = Topology(resolver.accelerator_type, resolver.spec, workers, cores_per_worker, layout)
         _topology = topology
     logger.info("Initializing the TPU system: %s (simulated in this process).", where)
     logger.info("Found TPU system:")

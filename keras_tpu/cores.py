@@ -43,6 +43,19 @@ class CoreLayout:
         self.cores_per_device = cores_per_device
         self.mesh = Mesh(np.array(self.devices), (DEVICE_AXIS,))
 
+    @classmethod
+    def for_tracing(cls, num_cores):
+        """A layout with one core per (imaginary) device, to trace a per-core program with
+        ``jax.make_jaxpr(fn, axis_env=layout.axis_env())`` without any devices."""
+        layout = cls.__new__(cls)
+        layout.num_cores, layout.devices, layout.cores_per_device, layout.mesh = num_cores, [], 1, None
+        return layout
+
+    def axis_env(self):
+        """Axis sizes for tracing a per-core function outside :meth:`per_core`."""
+        return [(DEVICE_AXIS, self.num_cores)] + ([(CORE_AXIS, self.cores_per_device)]
+                                                  if self.cores_per_device > 1 else [])
+
     @property
     def num_devices(self):
         return len(self.devices)
@@ -79,8 +92,10 @@ class CoreLayout:
         return jax.tree.map(lambda x: x / self.num_cores, self.psum(tree))
 
     def all_gather(self, tree):
-        """Concatenate every core's value along axis 0, in core order."""
+        """Concatenate every core's value along axis 0, in core order (scalars are stacked)."""
         def gather(x):
+            if x.ndim == 0:
+                x = x[None]
             if self.cores_per_device > 1:
                 x = lax.all_gather(x, CORE_AXIS, axis=0, tiled=True)
             return lax.all_gather(x, DEVICE_AXIS, axis=0, tiled=True)

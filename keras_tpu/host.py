@@ -95,6 +95,11 @@ def prepare_host():
         _devices_requested = _request_virtual_devices(cores_per_worker())
         if not _devices_requested:
             logger.debug("JAX was already running when keras_tpu was imported.")
+        from keras_tpu import pod
+
+        workers, task_index = pod.workers_from_environment()
+        if len(workers) > 1:
+            pod.start(workers, task_index)
 
 
 def devices_for_cores(num_cores):
@@ -109,6 +114,13 @@ def devices_for_cores(num_cores):
     """
     import jax
 
+    if jax.process_count() > 1:  # a pod: every process's devices, worker by worker
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        if len(devices) != num_cores:
+            raise ValueError(f"The pod has {len(devices)} devices ({jax.process_count()} workers) but "
+                             f"{num_cores} cores were asked for; set KERAS_TPU_CORES_PER_WORKER to the cores of "
+                             f"each worker.")
+        return devices, 1
     available = jax.local_devices()
     count = max(d for d in range(1, num_cores + 1) if num_cores % d == 0 and d <= len(available))
     if count < num_cores:

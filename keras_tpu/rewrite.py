@@ -190,7 +190,7 @@ def walk(closed_or_jaxpr, predicate):
             name = eqn.primitive.name
             if name in _OPAQUE_PRIMITIVES:
                 continue
-            for key, value in eqn.params.items():
+            for value in eqn.params.values():
                 subs = value if isinstance(value, tuple) else (value,)
                 for sub in subs:
                     if isinstance(sub, jex_core.ClosedJaxpr):

@@ -1,9 +1,7 @@
 """Part 6: the cycle-level reference array agrees with the fast primitive and the cost model."""
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 
 from keras_tpu import mxu
 from keras_tpu.mxu import SystolicArray

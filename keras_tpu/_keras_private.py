@@ -1,0 +1,132 @@
+"""The one place keras-tpu reaches into Keras internals, each where no public API exists.
+
+* ``compile_arguments``: the arguments a model was compiled with. Keras keeps
+  them (``Trainer._compile_config``) but only exposes a *serialized* copy
+  (``get_compile_config``), which would replace the model's optimizer by a
+  fresh one and fails for unregistered custom losses.
+* ``loss_reductions``: how each compiled loss reduces over the batch (the
+  ``Loss`` objects built inside ``CompileLoss``), needed to mask padded rows
+  exactly.
+* ``update_metrics``: the loss tracker (``Trainer._loss_tracker``) must be
+  updated with the number of *real* rows of a padded batch (Keras'
+  ``_update_metrics_variables`` uses the padded row count), and the compiled
+  metrics must skip padding rows: ``CompileMetrics.update_state`` gives sample
+  weights only to ``weighted_metrics``, so its per-output metric lists are
+  updated here directly, the unweighted ones with the padding mask alone.
+* ``legacy_h5``: the writer and reader of the tf.keras HDF5 weight layout
+  (``keras.src.legacy.saving.legacy_h5_format``); public ``save_weights``
+  only writes the Keras 3 ``.weights.h5`` layout.
+* ``watch_models``: ``TPUStrategy.scope()`` must know which models are
+  created and compiled under it. Keras has no public hook for model
+  creation; every model (functional, Sequential, subclassed) runs
+  ``Trainer.__init__``.
+"""
+
+import contextlib
+
+import keras
+from keras import StatelessScope
+from keras.src.legacy.saving import legacy_h5_format as legacy_h5  # noqa: F401  (re-exported)
+from keras.src.trainers.trainer import Trainer
+
+
+def compile_arguments(model):
+    """The keyword arguments ``model.compile`` was called with, or ``None`` if it was not compiled."""
+    config = getattr(model, "_compile_config", None)
+    if not getattr(model, "compiled", False) or config is None:
+        return None
+    return dict(config.config)
+
+
+def loss_reductions(model):
+    """The reduction (e.g. ``"sum_over_batch_size"``) of each loss compiled into ``model``, if built."""
+    compiled = getattr(model, "_compile_loss", None)
+    flat = getattr(compiled, "_flat_losses", None) or []
+    return [getattr(entry.loss, "reduction", None) for entry in flat]
+
+
+def has_compiled_loss(model):
+    return getattr(model, "_compile_loss", None) is not None
+
+
+def per_output_loss_trackers(model):
+    compiled = getattr(model, "_compile_loss", None)
+    return bool(compiled is not None and compiled.metrics)
+
+
+def update_metrics(model, metrics_values, loss, real_rows, x, y, y_pred, row_mask, sample_weight,
+                   loss_sample_weight):
+    """Update ``model``'s metrics statelessly, as Keras' train/test step does, for a padded batch.
+
+    ``real_rows`` weighs the loss tracker (Keras uses the batch's row count).
+    ``row_mask`` is 1 for real rows and 0 for padding; ``sample_weight`` is
+    the user's sample weight times that mask. Multi-output models' per-output
+    loss trackers are updated by re-evaluating the compiled loss with
+    ``loss_sample_weight``. Returns ``(logs, new values)``.
+    """
+    mapping = list(zip(model.metrics_variables, metrics_values))
+    with StatelessScope(state_mapping=mapping) as scope:
+        model._loss_tracker.update_state(loss, sample_weight=real_rows)
+        if per_output_loss_trackers(model):
+            model._compile_loss(y, y_pred, loss_sample_weight)
+        if overridden_methods(model, ("compute_metrics",)):
+            model.compute_metrics(x, y, y_pred, sample_weight)
+        elif model._compile_metrics is not None:
+            _update_compiled_metrics(model._compile_metrics, y, y_pred, row_mask, sample_weight)
+        logs = model.get_metrics_result()
+    new_values = []
+    for variable, old in mapping:
+        value = scope.get_current_value(variable)
+        new_values.append(old if value is None else value)
+    return logs, new_values
+
+
+def _update_compiled_metrics(compiled, y, y_pred, row_mask, sample_weight):
+    # CompileMetrics.update_state, except that unweighted metrics still skip padding rows.
+    if not compiled.built:
+        compiled.build(y, y_pred)
+    flat_y, flat_pred = compiled._flatten_y(y), compiled._flatten_y(y_pred)
+    for metric, y_t, y_p in zip(compiled._flat_metrics, flat_y, flat_pred):
+        if metric:
+            metric.update_state(y_t, y_p, sample_weight=row_mask)
+    weights = compiled._flatten_y(sample_weight)
+    if len(weights) < len(flat_y):
+        weights = [weights[0]] * len(flat_y)
+    for metric, y_t, y_p, weight in zip(compiled._flat_weighted_metrics, flat_y, flat_pred, weights):
+        if metric:
+            metric.update_state(y_t, y_p, weight)
+
+
+def overridden_methods(model, names):
+    """Which of the Keras ``Model`` methods ``names`` the model's own (non-Keras) classes replace."""
+    return [name for name in names
+            if any(name in vars(cls) for cls in type(model).__mro__
+                   if not cls.__module__.startswith(("keras.", "keras_tpu.")))]
+
+
+def metrics_result(model, metrics_values):
+    """``model.get_metrics_result()`` computed from the given metric variable values."""
+    with StatelessScope(state_mapping=list(zip(model.metrics_variables, metrics_values))):
+        return model.get_metrics_result()
+
+
+@contextlib.contextmanager
+def watch_models(on_created, on_compiled):
+    """While active, call ``on_created(model)`` after every Keras model is constructed and
+    ``on_compiled(model)`` after every ``model.compile``."""
+    original_init, original_compile = Trainer.__init__, keras.Model.compile
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        on_created(self)
+
+    def compile(self, *args, **kwargs):
+        original_compile(self, *args, **kwargs)
+        on_compiled(self)
+
+    Trainer.__init__, keras.Model.compile = init, compile
+    try:
+        yield
+    finally:
+        Trainer.__init__, keras.Model.compile = original_init, original_compile
+

@@ -1,0 +1,111 @@
+"""Feeding the cores: every batch is padded to one global batch size, with a mask.
+
+A TPU program is compiled for fixed shapes, so keras-tpu pads every batch to
+the same *global batch*: the largest batch seen, rounded up to a multiple of
+the number of cores (a batch of 100 on 8 cores runs as 8 x 13 rows). Padding
+rows are zeros and carry a mask of 0, which keeps them out of the loss,
+gradients, metrics and predictions. The last, partial batch of an epoch
+therefore reuses the same compiled program.
+
+Several steps per device call (``steps_per_execution``) are stacked along
+axis 1, so that axis 0 is always the rows that are split over the cores.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+from keras import tree
+
+
+def pad_to_global_batch(batch_size, num_cores):
+    """The global batch size a batch of ``batch_size`` rows runs as: a multiple of ``num_cores``.
+
+    Example:
+        >>> pad_to_global_batch(100, 8), pad_to_global_batch(1024, 8)
+        (104, 1024)
+    """
+    return math.ceil(batch_size / num_cores) * num_cores
+
+
+def _rows(data):
+    leaves = [leaf for leaf in tree.flatten(data) if leaf is not None]
+    if not leaves:
+        raise ValueError("A batch has no arrays.")
+    counts = {int(np.shape(leaf)[0]) for leaf in leaves}
+    if len(counts) != 1:
+        raise ValueError(f"All arrays of a batch must have the same number of rows; got {sorted(counts)}.")
+    return counts.pop()
+
+
+@dataclasses.dataclass
+class StackedBatches:
+    """Up to ``steps`` batches, padded and stacked as ``(global_batch, steps, ...)`` arrays."""
+
+    data: object            # the batches' (x, y, sample_weight) structure of stacked arrays
+    mask: np.ndarray        # float32 (global_batch, steps): 1 for real rows
+    real_rows: np.ndarray   # int32 (steps,): real rows of each step
+    active: np.ndarray      # bool (steps,): False for steps beyond the available batches
+
+    @property
+    def steps_used(self):
+        return int(self.active.sum())
+
+
+class BatchStacker:
+    """Pads and stacks the batches of one program (train, test or predict).
+
+    The global batch grows to the largest batch seen (which recompiles the
+    program once, with a log line); it never shrinks, so partial batches
+    never recompile.
+
+    Example:
+        >>> stacker = BatchStacker(num_cores=8, steps=2)
+        >>> stacked = stacker.stack([(np.ones((5, 3)), np.ones((5, 1)), None)])
+        >>> stacked.mask.shape, stacked.real_rows.tolist(), stacked.active.tolist()
+        ((8, 2), [5, 0], [True, False])
+    """
+
+    def __init__(self, num_cores, steps):
+        self.num_cores = num_cores
+        self.steps = steps
+        self.global_batch = 0
+
+    def stack(self, batches):
+        if not 1 <= len(batches) <= self.steps:
+            raise ValueError(f"Expected 1 to {self.steps} batches; got {len(batches)}.")
+        structure = tree.map_structure(lambda leaf: None, batches[0])
+        rows = [_rows(batch) for batch in batches]
+        self.global_batch = max(self.global_batch, pad_to_global_batch(max(rows), self.num_cores))
+        padded = self.global_batch
+
+        def stack_leaf(*leaves):
+            if leaves[0] is None:
+                return None
+            first = np.asarray(leaves[0])
+            out = np.zeros((padded, self.steps) + first.shape[1:], dtype=first.dtype)
+            for step, leaf in enumerate(leaves):
+                out[:len(leaf), step] = np.asarray(leaf)
+            return out
+
+        for batch in batches[1:]:
+            if tree.map_structure(lambda leaf: None, batch) != structure:
+                raise ValueError("All batches of a program must have the same structure "
+                                 "(inputs, targets and sample weights).")
+        data = tree.map_structure(stack_leaf, *batches)
+        mask = np.zeros((padded, self.steps), dtype=np.float32)
+        for step, count in enumerate(rows):
+            mask[:count, step] = 1.0
+        real_rows = np.zeros((self.steps,), dtype=np.int32)
+        real_rows[:len(rows)] = rows
+        active = np.arange(self.steps) < len(rows)
+        return StackedBatches(data, mask, real_rows, active)
+
+
+def unstack_outputs(outputs, stacked):
+    """Predictions of stacked steps back to one array per output, real rows only, in order."""
+    def unstack(leaf):
+        leaf = np.asarray(leaf)
+        return np.concatenate([leaf[:count, step] for step, count in enumerate(stacked.real_rows)
+                               if stacked.active[step]])
+    return tree.map_structure(unstack, outputs)

@@ -1,0 +1,269 @@
+"""``keras_to_tpu_model``: a Keras model that trains, evaluates and predicts on the simulated TPU.
+
+This is TensorFlow 1.x's ``tf.contrib.tpu.keras_to_tpu_model`` on Keras 3:
+
+.. code-block:: python
+
+    tpu_model = keras_tpu.keras_to_tpu_model(
+        cpu_model,
+        strategy=keras_tpu.TPUDistributionStrategy(keras_tpu.TPUClusterResolver(tpu)))
+    tpu_model.fit(x, y, batch_size=128 * 8, epochs=10)
+    tpu_model.save_weights("model.h5")       # INFO ... Copying TPU weights to the CPU
+
+The TPU model is a ``keras.Model`` that shares the CPU model's layers and
+variables and keeps its compile settings; Keras' own ``fit``, ``evaluate`` and
+``predict`` loops drive it (callbacks, progress bar, ``History``, data
+adapters), while each step runs as one program on the TPU's cores
+(:mod:`keras_tpu.replicated_steps`).
+
+Weights move lazily: the first TPU step copies them to the cores, where they
+stay between calls; ``sync_to_cpu``, ``get_weights`` and ``save_weights``
+copy them back to the CPU model.
+"""
+
+import jax
+import keras
+
+from keras_tpu import _keras_private, pod, weights
+from keras_tpu._logging import logger
+from keras_tpu.cluster import TPUClusterResolver, initialize_tpu_system
+from keras_tpu.cores import CoreLayout
+from keras_tpu.mxu.numerics import canonical_precision
+from keras_tpu.replicated_steps import ReplicatedSteps, custom_step_methods
+
+
+class TPUDistributionStrategy:
+    """How a model is spread over the TPU (TF 1.x's ``TPUDistributionStrategy``).
+
+    Args:
+        tpu_cluster_resolver: a :class:`TPUClusterResolver` (default: the
+            local simulated v2-8).
+        using_single_core: run on one core instead of all of them.
+        precision: the MXU precision of the model's matrix products:
+            ``"default"`` (one bfloat16 pass, as on a TPU), ``"high"``
+            (bf16_3x) or ``"highest"`` (bf16_6x, close to float32).
+
+    Example:
+        >>> strategy = TPUDistributionStrategy(TPUClusterResolver("grpc://10.0.0.2:8470"))
+        >>> strategy.num_cores
+        8
+    """
+
+    def __init__(self, tpu_cluster_resolver=None, using_single_core=False, precision="default"):
+        if tpu_cluster_resolver is None:
+            tpu_cluster_resolver = TPUClusterResolver()
+        if not isinstance(tpu_cluster_resolver, TPUClusterResolver):
+            raise TypeError("tpu_cluster_resolver must be a keras_tpu.TPUClusterResolver; "
+                            f"got {type(tpu_cluster_resolver).__name__}.")
+        self.resolver = tpu_cluster_resolver
+        self.topology = initialize_tpu_system(tpu_cluster_resolver)
+        self.precision = canonical_precision(precision)
+        self.using_single_core = bool(using_single_core)
+        self.layout = CoreLayout(1, devices=self.topology.layout.devices[:1]) if using_single_core \
+            else self.topology.layout
+
+    @property
+    def num_cores(self):
+        return self.layout.num_cores
+
+    def __repr__(self):
+        return (f"TPUDistributionStrategy({self.topology.accelerator_type}, cores={self.num_cores}, "
+                f"precision={self.precision.name.lower()!r})")
+
+
+def _check_fixed_shapes(model):
+    tensors = []
+    for kind in ("inputs", "outputs"):
+        try:
+            tensors += [(kind, t) for t in (getattr(model, kind, None) or [])]
+        except (AttributeError, ValueError):
+            pass
+    for kind, tensor in tensors:
+        shape = tuple(tensor.shape)
+        if any(dim is None for dim in shape[1:]):
+            raise ValueError(
+                f"The TPU runs programs of fixed shapes, but the model's {kind[:-1]} {tensor.name!r} has shape "
+                f"{shape}: only the batch dimension may be None. Give keras.Input(shape=...) fixed sizes "
+                f"(pad variable-length data to a fixed length)."
+            )
+
+
+class KerasTPUModel(keras.Model):
+    """A Keras model running on the simulated TPU; create it with :func:`keras_to_tpu_model`."""
+
+    def __init__(self, cpu_model, strategy):
+        super().__init__(name=cpu_model.name)
+        self._cpu_model = cpu_model
+        self._strategy = strategy
+        self._replicated = ReplicatedSteps(self, strategy.layout, strategy.precision)
+        if cpu_model.built:
+            self.built = True
+        compile_args = _keras_private.compile_arguments(cpu_model)
+        if compile_args:
+            self.compile(**compile_args)
+
+    # -- the CPU model's face ------------------------------------------------------------
+
+    @property
+    def cpu_model(self):
+        """The CPU model this TPU model was made from (its weights are synced by :meth:`sync_to_cpu`)."""
+        return self._cpu_model
+
+    @property
+    def strategy(self):
+        return self._strategy
+
+    def call(self, inputs, training=None):
+        return self._cpu_model(inputs, training=training)
+
+    @property
+    def layers(self):
+        return self._cpu_model.layers
+
+    def get_layer(self, name=None, index=None):
+        return self._cpu_model.get_layer(name=name, index=index)
+
+    def __getattr__(self, name):
+        # Only reached for attributes the TPU model lacks: use the CPU model's (inputs, outputs, ...).
+        cpu_model = self.__dict__.get("_cpu_model")
+        if name.startswith("_") or cpu_model is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(cpu_model, name)
+
+    def summary(self, *args, **kwargs):
+        self._cpu_model.summary(*args, **kwargs)
+        layout, topology = self._strategy.layout, self._strategy.topology
+        line = (f"Runs on: TPU {topology.accelerator_type}, {layout.num_cores} core(s) "
+                f"({layout.describe()}), MXU precision {self._strategy.precision.name.lower()}")
+        (kwargs.get("print_fn") or print)(line)
+
+    # -- Keras' loops run our programs ----------------------------------------------------
+
+    def compile(self, *args, **kwargs):
+        """Like ``keras.Model.compile``; the TPU always runs compiled programs (``run_eagerly`` is ignored)."""
+        super().compile(*args, **kwargs)
+
+    def make_train_function(self, force=False):
+        if self.train_function is None or force:
+            self.train_function = self._replicated.train_function(self.steps_per_execution)
+        return self.train_function
+
+    def make_test_function(self, force=False):
+        if self.test_function is None or force:
+            self.test_function = self._replicated.test_function(self.steps_per_execution)
+        return self.test_function
+
+    def make_predict_function(self, force=False):
+        if self.predict_function is None or force:
+            self.predict_function = self._replicated.predict_function(self.steps_per_execution)
+        return self.predict_function
+
+    # -- weights --------------------------------------------------------------------------
+
+    def _host_variables(self):
+        variables = list(self._cpu_model.variables)
+        if self.optimizer is not None and self.optimizer.built:
+            variables += list(self.optimizer.variables)
+        return variables
+
+    def sync_to_cpu(self):
+        """Copy the weights (and optimizer state) from the TPU cores back to the CPU model; return it.
+
+        Example:
+            >>> cpu_model = tpu_model.sync_to_cpu()      # doctest: +SKIP
+        """
+        self.jax_state_sync()
+        on_cores = [v for v in self._host_variables()
+                    if isinstance(v.value, jax.Array) and len(v.value.sharding.device_set) > 1]
+        if on_cores:
+            logger.info("Copying TPU weights to the CPU")
+            for variable, value in zip(on_cores, pod.to_host([v.value for v in on_cores])):
+                variable.assign(value)
+        return self._cpu_model
+
+    def get_weights(self):
+        self.sync_to_cpu()
+        return self._cpu_model.get_weights()
+
+    def set_weights(self, weights_list):
+        self._cpu_model.set_weights(weights_list)  # copied to the cores by the next TPU step
+
+    def save_weights(self, filepath, overwrite=True):
+        """Save the weights: ``"x.h5"`` in tf.keras' HDF5 layout, ``"x.weights.h5"`` in Keras 3's.
+
+        Either loads into the plain CPU model with ``model.load_weights``.
+        """
+        self.sync_to_cpu()
+        weights.save_weights(self._cpu_model, filepath, overwrite=overwrite)
+
+    def load_weights(self, filepath, **kwargs):
+        """Load weights from a ``.h5`` (tf.keras 2.x or Keras 3, weights or whole model), ``.weights.h5``
+        or ``.keras`` file."""
+        weights.load_weights(self._cpu_model, filepath, **kwargs)
+
+    def profile(self, batch_size=None, accelerator_type=None, dataset_size=None):
+        """The :class:`keras_tpu.profile.TPUProfile` of this model on its TPU (see :func:`keras_tpu.profile`).
+
+        Defaults: the global batch of the last ``fit`` (else 128 per core) and this strategy's
+        accelerator type.
+        """
+        from keras_tpu.profile import profile
+
+        program = self._replicated.last_programs.get("train")
+        batch_size = batch_size or (program.stacker.global_batch if program else None)
+        return profile(self, batch_size=batch_size,
+                       accelerator_type=accelerator_type or self._strategy.topology.accelerator_type,
+                       num_cores=self._strategy.num_cores, dataset_size=dataset_size)
+
+    def export(self, path):
+        """Write the inference function (MXU numerics, any batch size) and its weights with
+        ``jax.export``; load it with :func:`keras_tpu.load_exported`, no model code needed."""
+        from keras_tpu.export import export_model
+
+        self.sync_to_cpu()
+        if pod.is_chief():
+            export_model(self._cpu_model, path, self._strategy.precision)
+        return path
+
+    def save(self, filepath, overwrite=True, **kwargs):
+        """Save the CPU model (with the trained weights) as ``model.save`` does."""
+        self.sync_to_cpu()
+        weights.save_model(self._cpu_model, filepath, overwrite=overwrite, **kwargs)
+
+
+def keras_to_tpu_model(model, strategy=None):
+    """Make a TPU model from a Keras model, keeping its layers, weights and compile settings.
+
+    Args:
+        model: a ``keras.Model`` (Sequential, functional or subclassed) whose
+            inputs have fixed shapes apart from the batch size.
+        strategy: a :class:`TPUDistributionStrategy` (default: all cores of
+            the local simulated v2-8).
+
+    Example:
+        >>> import keras
+        >>> cpu_model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> cpu_model.compile("adam", "mse")
+        >>> tpu = keras_to_tpu_model(cpu_model)
+        >>> history = tpu.fit(np.ones((16, 4)), np.ones((16, 2)), batch_size=8, verbose=0)
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"keras_to_tpu_model needs a Keras model (keras.Model, keras.Sequential or a subclass); "
+                        f"got {type(model).__module__}.{type(model).__name__}.")
+    if isinstance(model, KerasTPUModel):
+        raise ValueError("This model already runs on the TPU.")
+    custom = custom_step_methods(model)
+    if custom:
+        raise ValueError(
+            f"{type(model).__name__} replaces Keras' {', '.join(custom)}, which keras_tpu cannot split over "
+            f"the TPU cores. Put the custom logic in `compute_loss` or in layers."
+        )
+    _check_fixed_shapes(model)
+    if strategy is None:
+        strategy = TPUDistributionStrategy()
+    if not isinstance(strategy, TPUDistributionStrategy):
+        raise TypeError(f"strategy must be a keras_tpu.TPUDistributionStrategy; got {type(strategy).__name__}.")
+    return KerasTPUModel(model, strategy)
+
+
+tpu_model = keras_to_tpu_model

@@ -1,0 +1,107 @@
+"""Weight files for models trained on the TPU.
+
+* ``name.h5`` / ``name.hdf5``: the legacy tf.keras HDF5 layout (what TensorFlow's
+  TPU notebooks wrote), loadable by plain Keras 3 ``load_weights`` and by
+  tf.keras 2.x.
+* ``name.weights.h5``: Keras 3's own weights format.
+
+A file is written next to its destination under a temporary name and moved
+into place only when complete, so a failed save never damages an existing
+file. In a TPU pod only the first worker writes.
+"""
+
+import os
+import tempfile
+
+import h5py
+
+from keras_tpu import _keras_private, pod
+
+LEGACY_SUFFIXES = (".h5", ".hdf5")
+KERAS3_SUFFIX = ".weights.h5"
+
+
+def _check_destination(filepath, overwrite):
+    directory = os.path.dirname(os.path.abspath(filepath))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"Cannot save weights to {filepath!r}: the directory {directory!r} does not exist.")
+    if os.path.exists(filepath) and not overwrite:
+        raise FileExistsError(f"{filepath!r} already exists; pass overwrite=True to replace it.")
+    return directory
+
+
+def save_weights(model, filepath, overwrite=True):
+    """Save ``model``'s weights atomically, in the format the file name asks for.
+
+    Example:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        >>> save_weights(model, "/tmp/example.h5")          # tf.keras HDF5 layout
+        >>> save_weights(model, "/tmp/example.weights.h5")  # Keras 3 layout
+    """
+    filepath = os.fspath(filepath)
+    if filepath.endswith(KERAS3_SUFFIX):
+        suffix = KERAS3_SUFFIX
+    elif filepath.endswith(LEGACY_SUFFIXES):
+        suffix = os.path.splitext(filepath)[1]
+    else:
+        raise ValueError(
+            f"Cannot tell the weights format from {filepath!r}. Use a name ending in '.h5' (the tf.keras HDF5 "
+            f"layout, loadable by Keras 3 and tf.keras) or '.weights.h5' (Keras 3's format)."
+        )
+    directory = _check_destination(filepath, overwrite)
+    if pod.is_chief():
+        _write_weights(model, directory, filepath, suffix)
+    pod.barrier(f"saved {filepath}")  # the other workers may read it next
+
+
+def _write_weights(model, directory, filepath, suffix):
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-keras-tpu-", suffix=suffix)
+    os.close(fd)
+    try:
+        if suffix == KERAS3_SUFFIX:
+            model.save_weights(tmp, overwrite=True)
+        else:
+            with h5py.File(tmp, "w") as f:
+                _keras_private.legacy_h5.save_weights_to_hdf5_group(f, model)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp files are private; give the usual permissions
+        os.replace(tmp, filepath)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_weights(model, filepath, **kwargs):
+    """Load weights from a ``.h5`` (tf.keras or Keras 3, weights-only or full model),
+    ``.weights.h5`` or ``.keras`` file into ``model``.
+
+    Example:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        >>> save_weights(model, "/tmp/example.h5"); load_weights(model, "/tmp/example.h5")
+    """
+    filepath = os.fspath(filepath)
+    if not os.path.exists(filepath):
+        raise FileNotFoundError(f"No weights file at {filepath!r}.")
+    model.load_weights(filepath, **kwargs)
+
+
+def save_model(model, filepath, overwrite=True, **kwargs):
+    """``model.save(filepath)``, written atomically like :func:`save_weights`."""
+    filepath = os.fspath(filepath)
+    suffix = ".keras" if filepath.endswith(".keras") else os.path.splitext(filepath)[1]
+    if suffix not in (".keras",) + LEGACY_SUFFIXES:
+        raise ValueError(f"Save a whole model as 'name.keras' (or legacy 'name.h5'); got {filepath!r}.")
+    directory = _check_destination(filepath, overwrite)
+    if pod.is_chief():
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-keras-tpu-", suffix=suffix)
+        os.close(fd)
+        try:
+            model.save(tmp, overwrite=True, **kwargs)
+            os.replace(tmp, filepath)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    pod.barrier(f"saved {filepath}")

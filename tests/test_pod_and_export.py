@@ -1,0 +1,165 @@
+"""TPU pods on JAX's multi-process runtime, and exported inference functions."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import keras_tpu
+from keras_tpu import checkpoints
+from tests.conftest import REPO
+from tests.tpu_helpers import classification_data, on_tpu, small_classifier
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(code, workers, cores_per_worker, *args):
+    addresses = ",".join(f"localhost:{free_port()}" for _ in range(workers))
+    processes = []
+    for task in range(workers):
+        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+        env.update(KERAS_TPU_WORKERS=addresses, KERAS_TPU_TASK_INDEX=str(task),
+                   KERAS_TPU_CORES_PER_WORKER=str(cores_per_worker), KERAS_TPU_HEARTBEAT_TIMEOUT="5")
+        if workers == 1:
+            env.pop("KERAS_TPU_WORKERS")
+        processes.append(subprocess.Popen([sys.executable, "-c", code, *map(str, args)], cwd=REPO, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return processes
+
+
+def finish(processes, timeout=600):
+    results = []
+    for p in processes:
+        out, err = p.communicate(timeout=timeout)
+        results.append((p.returncode, out, err))
+    return results
+
+
+TRAIN = """
+import sys
+sys.path.insert(0, {repo!r})
+import keras_tpu, numpy as np, jax
+from tests.tpu_helpers import classification_data, on_tpu, small_classifier
+out = sys.argv[1]
+x, y = classification_data(200)
+tpu = on_tpu(small_classifier(), "default")
+history = tpu.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0).history
+tpu.save_weights(out + ".h5")
+np.save(out + f"-weights-{{jax.process_index()}}.npy", np.concatenate([w.ravel() for w in tpu.get_weights()]))
+np.save(out + f"-predictions-{{jax.process_index()}}.npy", tpu.predict(x[:37], batch_size=16, verbose=0))
+print("LOSS", history["loss"], "WORKERS", jax.process_count(), "CORES", tpu.strategy.num_cores)
+"""
+
+
+@pytest.mark.slow
+def test_two_workers_of_four_cores_train_like_one_process_of_eight(tmp_path):
+    code = TRAIN.format(repo=REPO)
+    pod = finish(launch(code, 2, 4, tmp_path / "pod"))
+    single = finish(launch(code, 1, 8, tmp_path / "one"))
+    for returncode, out, err in pod + single:
+        assert returncode == 0, err[-3000:]
+    assert "WORKERS 2 CORES 8" in pod[0][1] and "WORKERS 1 CORES 8" in single[0][1]
+    losses = [eval(out.split("LOSS")[1].split("WORKERS")[0]) for _, out, _ in pod + single]
+    np.testing.assert_allclose(losses[0], losses[2], rtol=1e-3)
+    assert losses[0] == losses[1]  # both workers log the same (global) loss
+    w0, w1 = (np.load(tmp_path / f"pod-weights-{i}.npy") for i in (0, 1))
+    np.testing.assert_array_equal(w0, w1)  # identical weights on every worker
+    np.testing.assert_allclose(w0, np.load(tmp_path / "one-weights-0.npy"), atol=2e-3)
+    p0, p1 = (np.load(tmp_path / f"pod-predictions-{i}.npy") for i in (0, 1))
+    assert p0.shape == (37, 3)
+    np.testing.assert_array_equal(p0, p1)
+    assert (tmp_path / "pod.h5").exists()  # written once, by the first worker
+
+
+ESTIMATOR = """
+import sys, time
+sys.path.insert(0, {repo!r})
+import keras_tpu
+from tests.test_tpu_estimator import make, mnist
+model_dir, slow = sys.argv[1], sys.argv[2] == "slow"
+def input_fn(params):
+    x, y = mnist("train", 1024)
+    def batches():
+        while True:
+            for start in range(0, 1024, params["batch_size"]):
+                if slow:
+                    time.sleep(0.05)
+                yield x[start:start + params["batch_size"]], y[start:start + params["batch_size"]]
+    return batches()
+print("STARTED", flush=True)
+make(model_dir, iterations=2, save_steps=4).train(input_fn, max_steps=24)
+print("DONE")
+"""
+
+
+@pytest.mark.slow
+def test_a_dead_worker_stops_the_others_and_a_restart_resumes(tmp_path):
+    code = ESTIMATOR.format(repo=REPO)
+    first, second = launch(code, 2, 4, tmp_path, "slow")
+    deadline = time.time() + 300
+    while checkpoints.latest(str(tmp_path)) is None and time.time() < deadline:
+        time.sleep(0.5)
+    assert checkpoints.latest(str(tmp_path)) is not None, first.stderr.read()[-3000:] if first.poll() else ""
+    second.send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    out, err = first.communicate(timeout=120)
+    assert first.returncode != 0 and time.time() - killed_at < 60  # stops, in bounded time, not hanging
+    assert "DONE" not in out
+    assert any(word in err for word in ("WorkerLostError", "worker", "task", "heartbeat")), err[-3000:]
+    second.communicate()
+    saved = checkpoints.latest(str(tmp_path))[0]
+    assert 0 < saved < 24
+    results = finish(launch(code, 2, 4, tmp_path, "fast"))
+    for returncode, out, err in results:
+        assert returncode == 0, err[-3000:]
+        assert "DONE" in out
+    assert f"Restored the checkpoint of step {saved}" in results[0][2]
+    assert checkpoints.latest(str(tmp_path))[0] == 24
+
+
+def test_export_runs_in_a_fresh_process_for_any_batch_size(tmp_path):
+    x, y = classification_data(100)
+    tpu = on_tpu(small_classifier(), "default")
+    tpu.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    path = tpu.export(str(tmp_path / "exported"))
+    expected = tpu.predict(x, verbose=0)
+    np.save(tmp_path / "x.npy", x)
+    code = f"""
+import numpy as np
+from keras_tpu.export import load_exported
+predict = load_exported({path!r})
+x = np.load({str(tmp_path / "x.npy")!r})
+for rows in (1, 7, 100):
+    np.save({str(tmp_path)!r} + f"/out-{{rows}}.npy", predict(x[:rows]))
+print("INPUTS", predict.input_names)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for rows in (1, 7, 100):
+        np.testing.assert_allclose(np.load(tmp_path / f"out-{rows}.npy"), expected[:rows], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"shape \(batch, 6\)"):
+        keras_tpu.load_exported(path)(np.ones((2, 5), np.float32))
+    with pytest.raises(FileNotFoundError):
+        keras_tpu.load_exported(str(tmp_path / "nothing"))
+
+
+def test_estimator_export_saved_model(tmp_path):
+    from tests.test_tpu_estimator import make, mnist
+
+    estimator = make(tmp_path / "model")
+    estimator.train(lambda params: mnist("train", 256), max_steps=4)
+    path = estimator.export_saved_model(str(tmp_path / "export"), lambda: mnist("test", 1)[0])
+    predict = keras_tpu.load_exported(path)
+    x = mnist("test", 50)[0]
+    exported = predict(x)["class_ids"]
+    expected = np.array([p["class_ids"] for p in estimator.predict(lambda params: x)])
+    np.testing.assert_array_equal(exported, expected)

@@ -1,0 +1,192 @@
+"""TPUEstimator: model_fn/input_fn on the simulated TPU, checkpoints, resuming after a crash."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import keras_tpu
+from keras_tpu import checkpoints
+from keras_tpu import estimator as tpu_estimator
+from tests.conftest import REPO
+
+
+def dense_model_fn(features, labels, mode, params):
+    logits = keras.layers.Dense(10)(keras.layers.Rescaling(1 / 255)(keras.layers.Flatten()(features)))
+    if mode == tpu_estimator.ModeKeys.PREDICT:
+        return tpu_estimator.TPUEstimatorSpec(mode, predictions={"class_ids": keras.ops.argmax(logits, axis=1)})
+    loss = keras.ops.mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+    if mode == tpu_estimator.ModeKeys.EVAL:
+        def metric_fn(labels, logits):
+            accuracy = keras.metrics.SparseCategoricalAccuracy()
+            accuracy.update_state(labels, logits)
+            return {"accuracy": accuracy, "mean_logit": float(np.mean(logits))}
+        return tpu_estimator.TPUEstimatorSpec(mode, loss=loss, eval_metrics=(metric_fn, [labels, logits]))
+    optimizer = keras.optimizers.SGD(params.get("lr", 0.1))
+    if params.get("cross_shard", True):
+        optimizer = tpu_estimator.CrossShardOptimizer(optimizer, reduction=params.get("reduction", "mean"))
+    return tpu_estimator.TPUEstimatorSpec(mode, loss=loss, train_op=optimizer)
+
+
+def mnist(split, rows=None):
+    (x_train, y_train), (x_test, y_test) = keras_tpu.datasets.mnist.load_data()
+    x, y = (x_train, y_train) if split == "train" else (x_test, y_test)
+    return x[:rows].astype("float32"), y[:rows].astype("int32")
+
+
+def make(model_dir, iterations=5, use_tpu=True, params=None, save_steps=None, batch=64):
+    config = tpu_estimator.RunConfig(
+        master="grpc://10.0.0.2:8470", model_dir=str(model_dir), save_checkpoints_steps=save_steps,
+        tpu_config=tpu_estimator.TPUConfig(iterations_per_loop=iterations, num_shards=8), tf_random_seed=0)
+    return tpu_estimator.TPUEstimator(model_fn=dense_model_fn, use_tpu=use_tpu, config=config, params=params,
+                                      train_batch_size=batch, eval_batch_size=batch, predict_batch_size=batch)
+
+
+@pytest.mark.slow
+def test_the_mnist_example_trains_evaluates_and_predicts(tmp_path, capsys):
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    try:
+        import mnist_tpu_estimator
+    finally:
+        sys.path.pop(0)
+    results = mnist_tpu_estimator.main(["--model_dir", str(tmp_path), "--train_steps", "30", "--iterations", "10",
+                                        "--batch_size", "128", "--learning_rate", "0.1"])
+    assert results["global_step"] == 30 and results["accuracy"] > 0.5 and results["loss"] < 2.0  # chance: 0.1
+    assert checkpoints.latest(str(tmp_path))[0] == 30
+    assert capsys.readouterr().out.count("example ") == 10
+
+
+def test_params_batch_size_is_per_core_and_whole_arrays_are_batched(tmp_path):
+    seen = {}
+
+    def input_fn(params):
+        seen.update(params)
+        return mnist("train", 512)
+
+    estimator = make(tmp_path, params={"lr": 0.1})
+    estimator.train(input_fn, max_steps=10)
+    assert seen["batch_size"] == 8 and seen["lr"] == 0.1  # 64 global / 8 cores
+    results = estimator.evaluate(lambda params: mnist("test", 1000))
+    assert set(results) == {"loss", "accuracy", "mean_logit", "global_step"} and results["global_step"] == 10
+
+
+def test_iterables_of_per_core_batches(tmp_path):
+    taken = []
+
+    def per_core_batches(params):
+        x, y = mnist("train", 800)
+        def generator():
+            for start in range(0, len(x) - params["batch_size"] + 1, params["batch_size"]):
+                taken.append(start)
+                yield x[start:start + params["batch_size"]], y[start:start + params["batch_size"]]
+        return generator()
+
+    estimator = make(tmp_path, iterations=3)
+    estimator.train(per_core_batches, steps=6)
+    assert len(taken) == 6 * 8  # one batch per core per step
+    assert estimator.latest_checkpoint() == 6
+
+    class EvalBatches(keras.utils.PyDataset):
+        def __len__(self):
+            return 13  # 13 per-core batches: the last global step is partial
+
+        def __getitem__(self, i):
+            x, y = mnist("test", 13 * 8)
+            return x[i * 8:(i + 1) * 8], y[i * 8:(i + 1) * 8]
+
+    by_per_core_batches = estimator.evaluate(lambda params: EvalBatches())
+    by_arrays = estimator.evaluate(lambda params: mnist("test", 13 * 8))
+    assert by_per_core_batches == pytest.approx(by_arrays, rel=1e-6)
+
+
+def test_padded_last_batch_gives_exact_evaluation_and_one_prediction_per_example(tmp_path):
+    estimator = make(tmp_path, batch=64)
+    estimator.train(lambda params: mnist("train", 512), max_steps=10)
+    padded = estimator.evaluate(lambda params: mnist("test", 1000))  # 15 full batches and 40 rows
+    small = make(tmp_path, batch=8).evaluate(lambda params: mnist("test", 1000))  # no padding at all
+    assert padded == pytest.approx(small, rel=1e-5)
+    predictions = list(estimator.predict(lambda params: mnist("test", 1000)[0]))
+    assert len(predictions) == 1000 and set(predictions[0]) == {"class_ids"}
+    accuracy = np.mean([p["class_ids"] for p in predictions] == mnist("test", 1000)[1])
+    assert accuracy == pytest.approx(padded["accuracy"], abs=1e-6)
+
+
+def test_cpu_and_tpu_runs_agree_within_bf16_tolerance(tmp_path):
+    tpu = make(tmp_path / "tpu")
+    cpu = make(tmp_path / "cpu", use_tpu=False)
+    for estimator in (tpu, cpu):
+        estimator.train(lambda params: mnist("train", 512), max_steps=15)
+    tpu_loss = tpu.evaluate(lambda params: mnist("test", 500))["loss"]
+    cpu_loss = cpu.evaluate(lambda params: mnist("test", 500))["loss"]
+    assert tpu_loss == pytest.approx(cpu_loss, rel=0.02) and tpu_loss != cpu_loss
+
+
+def test_cross_shard_reductions_and_errors(tmp_path):
+    summed = make(tmp_path / "sum", params={"lr": 0.01, "reduction": "sum"}, iterations=1)
+    averaged = make(tmp_path / "mean", params={"lr": 0.08}, iterations=1)
+    for estimator in (summed, averaged):
+        estimator.train(lambda params: mnist("train", 64), steps=1)
+    sum_weights = checkpoints.latest(str(tmp_path / "sum"))[1][0]
+    mean_weights = checkpoints.latest(str(tmp_path / "mean"))[1][0]
+    np.testing.assert_allclose(sum_weights, mean_weights, rtol=1e-4, atol=1e-6)  # 8 cores x 0.01 == 0.08
+    with pytest.raises(ValueError, match="CrossShardOptimizer"):
+        make(tmp_path / "plain", params={"cross_shard": False}).train(lambda params: mnist("train", 64), steps=1)
+    with pytest.raises(ValueError, match="train first"):
+        make(tmp_path / "empty").evaluate(lambda params: mnist("test", 64))
+    with pytest.raises(ValueError, match="multiple of the 8 cores"):
+        make(tmp_path / "odd", batch=100)
+    with pytest.raises(ValueError, match="exactly one"):
+        make(tmp_path / "x").train(lambda params: mnist("train", 64))
+
+
+def test_a_half_written_checkpoint_is_never_read(tmp_path):
+    checkpoints.save(str(tmp_path), 10, [np.ones(3)])
+    checkpoints.save(str(tmp_path), 20, [np.full(3, 2.0)])
+    newest = tmp_path / "ckpt-00000020.npz"
+    newest.write_bytes(newest.read_bytes()[:100])  # damaged after the fact
+    (tmp_path / ".tmp-ckpt-00000030.npz").write_bytes(b"half")  # a crash mid-write
+    step, arrays, _ = checkpoints.latest(str(tmp_path))
+    assert step == 10 and arrays[0].tolist() == [1.0, 1.0, 1.0]
+
+
+RESUMABLE = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+import keras_tpu
+from tests.test_tpu_estimator import make, mnist
+model_dir, kill_after = sys.argv[1], int(sys.argv[2])
+consumed = []
+def input_fn(params):
+    x, y = mnist("train", 512)
+    def batches():
+        while True:
+            for start in range(0, 512, 8):
+                consumed.append(start)
+                if len(consumed) == kill_after * 8:
+                    os.kill(os.getpid(), signal.SIGKILL)  # the process dies mid-training
+                yield x[start:start + 8], y[start:start + 8]
+    return batches()
+make(model_dir, iterations=5, save_steps=10).train(input_fn, max_steps=40)
+print("STEPS_RUN", len(consumed) // 8)
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_training_resumes_from_the_latest_checkpoint(tmp_path):
+    script = RESUMABLE.format(repo=REPO)
+    run = lambda kill_after: subprocess.run([sys.executable, "-c", script, str(tmp_path), str(kill_after)],
+                                            capture_output=True, text=True, cwd=REPO, timeout=600)
+    killed = run(kill_after=23)  # dies during step 23, after the checkpoint of step 20
+    assert killed.returncode == -signal.SIGKILL
+    assert checkpoints.latest(str(tmp_path))[0] == 20
+    resumed = run(kill_after=10**9)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "Restored the checkpoint of step 20" in resumed.stderr
+    assert "STEPS_RUN 20" in resumed.stdout  # steps 21-40 only
+    assert checkpoints.latest(str(tmp_path))[0] == 40
+    again = run(kill_after=10**9)
+    assert "Skipping training" in again.stderr and "STEPS_RUN 0" in again.stdout

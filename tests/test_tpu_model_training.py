@@ -1,0 +1,161 @@
+"""keras_to_tpu_model: training, evaluation and prediction match the CPU model."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_tpu
+from tests.tpu_helpers import assert_weights_close, classification_data, on_tpu, small_classifier
+
+
+def test_refuses_what_is_not_a_keras_model():
+    with pytest.raises(TypeError, match="Keras model"):
+        keras_tpu.keras_to_tpu_model(lambda x: x)
+    with pytest.raises(TypeError, match="Keras model"):
+        keras_tpu.keras_to_tpu_model(keras.layers.Dense(3))
+
+
+def test_refuses_unknown_non_batch_dimensions():
+    inputs = keras.Input((None, 4))
+    model = keras.Model(inputs, keras.layers.GlobalAveragePooling1D()(inputs))
+    with pytest.raises(ValueError, match=r"\(None, None, 4\).*only the batch dimension"):
+        keras_tpu.keras_to_tpu_model(model)
+
+
+def test_refuses_custom_train_steps_and_double_conversion():
+    class Custom(keras.Model):
+        def train_step(self, *args):
+            raise AssertionError
+
+    inputs = keras.Input((2,))
+    custom = Custom(inputs=inputs, outputs=keras.layers.Dense(1)(inputs))
+    with pytest.raises(ValueError, match="train_step"):
+        keras_tpu.keras_to_tpu_model(custom)
+    tpu = keras_tpu.keras_to_tpu_model(small_classifier())
+    with pytest.raises(ValueError, match="already"):
+        keras_tpu.keras_to_tpu_model(tpu)
+    with pytest.raises(TypeError, match="TPUDistributionStrategy"):
+        keras_tpu.keras_to_tpu_model(small_classifier(), strategy="tpu")
+
+
+def test_keeps_the_cpu_models_compile_settings_and_attributes():
+    def my_loss(y_true, y_pred):
+        return keras.losses.sparse_categorical_crossentropy(y_true, y_pred)
+
+    optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+    cpu = small_classifier(optimizer=optimizer, metrics=["sparse_categorical_accuracy",
+                                                         keras.metrics.SparseTopKCategoricalAccuracy(k=2)])
+    cpu.compile(optimizer=optimizer, loss=my_loss, metrics=["sparse_categorical_accuracy"],
+                weighted_metrics=[keras.metrics.SparseTopKCategoricalAccuracy(k=2)])
+    tpu = keras_tpu.keras_to_tpu_model(cpu)
+    assert tpu.optimizer is optimizer and tpu.loss is my_loss
+    assert tpu.layers == cpu.layers and tpu.inputs == cpu.inputs and tpu.outputs == cpu.outputs
+    assert tpu.get_layer(cpu.layers[0].name) is cpu.layers[0]
+    assert tpu.cpu_model is cpu and tpu.count_params() == cpu.count_params()
+    x, y = classification_data()
+    logs = tpu.fit(x, y, batch_size=32, epochs=1, verbose=0).history
+    assert set(logs) == {"loss", "sparse_categorical_accuracy", "sparse_top_k_categorical_accuracy"}
+    lines = []
+    tpu.summary(print_fn=lines.append)
+    assert any("TPU v2-8, 8 core(s)" in line for line in lines)
+
+
+def test_training_matches_the_cpu_model_with_partial_batches():
+    x, y = classification_data(200)
+    cpu, reference = small_classifier(), small_classifier()
+    tpu = on_tpu(cpu, "highest")
+    tpu_history = tpu.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0).history
+    cpu_history = reference.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0).history
+    for key in cpu_history:  # 200 = 3 x 64 + 8: every epoch ends with a partial batch
+        np.testing.assert_allclose(tpu_history[key], cpu_history[key], rtol=2e-6)
+    assert_weights_close(tpu.get_weights(), reference.get_weights(), atol=1e-6)
+
+
+def test_default_bf16_training_stays_within_bf16_tolerance():
+    x, y = classification_data(256)
+    tpu, reference = on_tpu(small_classifier(), "default"), small_classifier()
+    tpu_loss = tpu.fit(x, y, batch_size=128, epochs=2, shuffle=False, verbose=0).history["loss"]
+    cpu_loss = reference.fit(x, y, batch_size=128, epochs=2, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(tpu_loss, cpu_loss, rtol=1e-2)
+    assert tpu_loss != cpu_loss  # the MXU's bf16 products are really used
+    assert_weights_close(tpu.get_weights(), reference.get_weights(), atol=1e-2)
+
+
+def test_evaluate_and_predict_are_exact_with_any_batch_and_data_size():
+    x, y = classification_data(203)
+    weights = np.linspace(0.5, 2, 203).astype("float32")
+    cpu = small_classifier()
+    cpu.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["sparse_categorical_accuracy"],
+                weighted_metrics=["sparse_categorical_accuracy"])
+    tpu = on_tpu(cpu, "highest")
+    for batch_size in (203, 64, 13, 1):
+        got = tpu.evaluate(x, y, sample_weight=weights, batch_size=batch_size, verbose=0, return_dict=True)
+        want = cpu.evaluate(x, y, sample_weight=weights, batch_size=batch_size, verbose=0, return_dict=True)
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=2e-6), (batch_size, key)
+    for rows in (1, 7, 64, 65, 203):
+        predicted = tpu.predict(x[:rows], batch_size=64, verbose=0)
+        assert predicted.shape == (rows, 3)
+        np.testing.assert_allclose(predicted, cpu.predict(x[:rows], batch_size=64, verbose=0), atol=1e-6)
+
+
+def test_partial_batches_never_recompile():
+    x, y = classification_data(200)
+    tpu = on_tpu(small_classifier(), "default")
+    tpu.fit(x, y, batch_size=64, epochs=2, verbose=0)
+    tpu.evaluate(x, y, batch_size=64, verbose=0)
+    tpu.predict(x[:150], batch_size=64, verbose=0)
+    programs = tpu._replicated.last_programs
+    assert {mode: len(p._executables) for mode, p in programs.items()} == {"train": 1, "test": 1, "predict": 1}
+
+
+def test_a_batch_that_does_not_split_over_8_cores_is_padded():
+    x, y = classification_data(250)
+    cpu, reference = small_classifier(), small_classifier()
+    tpu = on_tpu(cpu, "highest")
+    got = tpu.fit(x, y, batch_size=100, epochs=1, shuffle=False, verbose=0).history["loss"]
+    want = reference.fit(x, y, batch_size=100, epochs=1, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(got, want, rtol=2e-6)
+    assert tpu._replicated.last_programs["train"].stacker.global_batch == 104  # 8 cores x 13 rows
+
+
+def test_optimizer_state_survives_successive_fit_calls():
+    x, y = classification_data(128)
+    tpu, reference = on_tpu(small_classifier(), "highest"), small_classifier()
+    for _ in range(2):
+        tpu.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    assert int(tpu.optimizer.iterations.value) == 8
+    assert_weights_close(tpu.get_weights(), reference.get_weights(), atol=1e-6)
+
+
+def test_steps_per_execution_runs_several_steps_per_device_call():
+    x, y = classification_data(10 * 32)
+    cpu = small_classifier(steps_per_execution=4)
+    tpu, reference = on_tpu(cpu, "highest"), small_classifier()
+    tpu.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    program = tpu._replicated.last_programs["train"]
+    assert program.stacker.steps == 4 and len(program._executables) == 1
+    assert_weights_close(tpu.get_weights(), reference.get_weights(), atol=1e-6)
+    assert int(tpu.optimizer.iterations.value) == 10  # 4 + 4 + 2: the last call skips two steps
+    np.testing.assert_allclose(tpu.predict(x, batch_size=32, verbose=0), reference.predict(x, verbose=0), atol=1e-6)
+
+
+def test_on_batch_methods():
+    x, y = classification_data(40)
+    tpu, reference = on_tpu(small_classifier(), "highest"), small_classifier()
+    got = tpu.train_on_batch(x, y, return_dict=True)
+    want = reference.train_on_batch(x, y, return_dict=True)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+    assert tpu.test_on_batch(x, y) == pytest.approx(reference.test_on_batch(x, y), rel=1e-6)
+    np.testing.assert_allclose(tpu.predict_on_batch(x[:5]), reference.predict_on_batch(x[:5]), atol=1e-6)
+
+
+def test_single_core_strategy():
+    x, y = classification_data(64)
+    tpu, reference = on_tpu(small_classifier(), "highest", using_single_core=True), small_classifier()
+    assert tpu.strategy.num_cores == 1
+    tpu.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(tpu.get_weights(), reference.get_weights(), atol=1e-6)

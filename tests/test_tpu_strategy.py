@@ -1,0 +1,132 @@
+"""TPUStrategy: models built under its scope train on the TPU; run/reduce for custom loops."""
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+import pytest
+
+import keras_tpu
+from tests.tpu_helpers import assert_weights_close, classification_data, small_classifier
+
+
+@pytest.fixture
+def strategy():
+    resolver = keras_tpu.TPUClusterResolver()
+    keras_tpu.experimental_connect_to_cluster(resolver)
+    keras_tpu.initialize_tpu_system(resolver)
+    return keras_tpu.TPUStrategy(resolver, precision="highest")
+
+
+def test_models_built_under_the_scope_run_on_the_tpu(strategy):
+    assert strategy.num_replicas_in_sync == 8
+    x, y = classification_data(200)
+    with strategy.scope():
+        model = small_classifier()
+    reference = small_classifier()  # built outside any scope: a plain CPU model
+    got = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history  # fit outside the scope
+    want = reference.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=2e-6)
+    assert_weights_close(model.get_weights(), reference.get_weights(), atol=1e-6)
+    assert "train" in model._keras_tpu_steps.last_programs            # it ran our program...
+    assert "_keras_tpu_steps" not in reference.__dict__               # ...the CPU model did not
+    with strategy.scope():  # evaluate and predict inside the scope work too
+        scores = model.evaluate(x, y, batch_size=64, verbose=0, return_dict=True)
+        predictions = model.predict(x[:13], verbose=0)
+    assert scores == pytest.approx(reference.evaluate(x, y, batch_size=64, verbose=0, return_dict=True), rel=2e-6)
+    np.testing.assert_allclose(predictions, reference.predict(x[:13], verbose=0), atol=1e-6)
+
+
+def test_subclassed_models_and_compile_inside_or_outside(strategy):
+    class TwoLayers(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.hidden, self.out = keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.out(self.hidden(x))
+
+    x, y = classification_data(64)
+    with strategy.scope():
+        model = TwoLayers()
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # compiled outside
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert "train" in model._keras_tpu_steps.last_programs
+
+
+def test_nested_and_mixed_scopes_are_refused(strategy):
+    other = keras_tpu.TPUStrategy()
+    with strategy.scope():
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with other.scope():
+                pass
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with strategy.scope():
+                pass
+    outside = small_classifier()
+    with strategy.scope():
+        with pytest.raises(ValueError, match="created outside"):
+            outside.compile("adam", "mse")
+    with other.scope():
+        inside_other = small_classifier()
+    with strategy.scope():
+        with pytest.raises(ValueError, match="another TPUStrategy"):
+            inside_other.compile("adam", "mse")
+
+
+def test_steps_per_execution_from_the_strategy():
+    strategy = keras_tpu.TPUStrategy(steps_per_execution=3)
+    with strategy.scope():
+        model = small_classifier()
+    x, y = classification_data(7 * 16)
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    program = model._keras_tpu_steps.last_programs["train"]
+    assert model.steps_per_execution == 3 and program.stacker.steps == 3
+    assert int(model.optimizer.iterations.value) == 14 and len(history.history["loss"]) == 2
+
+
+def test_run_reduce_and_distribute_dataset(strategy):
+    batches = [np.arange(32 * 3, dtype=np.float32).reshape(32, 3)]
+    (per_replica,) = list(strategy.experimental_distribute_dataset(batches))
+    assert per_replica.num_replicas == 8 and per_replica.values[1].shape == (4, 3)
+    sums = strategy.run(lambda x: jnp.sum(x), args=(per_replica,))
+    assert float(strategy.reduce("SUM", sums)) == batches[0].sum()
+    assert float(strategy.reduce(keras_tpu.ReduceOp.MEAN, sums)) == pytest.approx(batches[0].sum() / 8)
+    rows = strategy.run(lambda x, scale: x * scale, args=(per_replica, 2.0))
+    np.testing.assert_allclose(strategy.reduce("MEAN", rows, axis=0), 2 * batches[0].mean(axis=0))
+    np.testing.assert_allclose(np.concatenate(strategy.experimental_local_results(rows)), 2 * batches[0])
+    with pytest.raises(ValueError, match="multiple of 8"):
+        list(strategy.experimental_distribute_dataset([np.ones((12, 3))]))
+
+
+def test_a_custom_training_loop_with_run_reduce_and_grad():
+    strategy = keras_tpu.TPUStrategy()  # default bf16 MXU numerics
+    x, y = classification_data(256)
+    with strategy.scope():
+        model = small_classifier()
+    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+    non_trainable = [v.value for v in model.non_trainable_variables]
+
+    def replica_step(trainable, batch):
+        features, labels = batch
+
+        def loss_of(trainable):
+            predictions, _ = model.stateless_call(trainable, non_trainable, features)
+            return loss_fn(labels, predictions)
+
+        return jax.value_and_grad(loss_of)(trainable)
+
+    trainable = [v.value for v in model.trainable_variables]
+    global_batches = [(x[i:i + 64], y[i:i + 64]) for i in range(0, 256, 64)]
+    losses = []
+    for _ in range(15):
+        for batch in strategy.experimental_distribute_dataset(global_batches):
+            loss, grads = strategy.run(replica_step, args=(trainable, batch))
+            grads = strategy.reduce("MEAN", grads)
+            trainable = [w - 0.5 * g for w, g in zip(trainable, grads)]
+            losses.append(float(strategy.reduce("MEAN", loss)))
+    assert np.mean(losses[-4:]) < 0.6 * np.mean(losses[:4])
+    (program,) = strategy._run_programs.values()  # one compiled program for all 60 steps
+    jaxpr = str(jax.make_jaxpr(program)([*trainable], [jax.tree.map(lambda a: a[:, :8], batch.stacked)]))
+    assert "mxu_dot_general" in jaxpr and " dot_general[" not in jaxpr

@@ -1,0 +1,33 @@
+"""Small models and data shared by the TPU-model tests."""
+
+import keras
+import numpy as np
+
+import keras_tpu
+
+
+def small_classifier(seed=0, optimizer=None, **compile_kwargs):
+    """A row-independent model (no BatchNormalization, no Dropout): TPU training must match the CPU."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(3, activation="softmax")])
+    model.compile(optimizer=optimizer or keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
+                  metrics=compile_kwargs.pop("metrics", ["sparse_categorical_accuracy"]), **compile_kwargs)
+    return model
+
+
+def classification_data(rows=200, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, 6)).astype("float32")
+    y = (x[:, :3].argmax(axis=1)).reshape(-1, 1)
+    return x, y
+
+
+def on_tpu(model, precision="highest", **kwargs):
+    return keras_tpu.keras_to_tpu_model(model, keras_tpu.TPUDistributionStrategy(precision=precision, **kwargs))
+
+
+def assert_weights_close(first, second, atol):
+    assert len(first) == len(second)
+    for a, b in zip(first, second):
+        np.testing.assert_allclose(a, b, rtol=0, atol=atol)
