@@ -240,11 +240,11 @@ def _step_ops(model, steps, step, per_core_batch, layout, rows, cols, x_spec, y_
     return mxu_ops(closed, rows, cols)
 
 
-def _advice(model, profile_at, report):
+def _advice(profile_at, report):
     """The Cloud TPU performance guide's advice, with the cost model's predicted gains."""
     advice = []
     per_core = report.per_core_batch
-    if per_core < 128 and "train" in {r.step for r in report._rows}:
+    if per_core < 128 and any(r.step == "train" for r in report._rows):
         better = profile_at(128 * report.num_cores)
         now = report.step_time("train") / report.global_batch
         then = better.step_time("train") / better.global_batch
@@ -254,21 +254,21 @@ def _advice(model, profile_at, report):
                       f"{better.utilization('train'):.0%}).")
     elif per_core % 8:
         advice.append(f"The per-core batch ({per_core}) is not a multiple of 8; XLA pads it to one.")
+    # Feature sizes are judged once per layer, on its forward ops.
+    forward = [r for r in report._rows if r.step == "inference"] or [r for r in report._rows if not r.op.backward]
     seen = set()
-    for r in report._rows:
-        if r.step != "inference" and report._rows and any(x.step == "inference" for x in report._rows):
-            continue  # judge feature sizes once, on the inference (forward) ops
+    for r in forward:
         cost = r.op.cost
-        for name, size in (("K (input features x kernel)", cost.k), ("N (output features)", cost.n)):
-            if size % 128 == 0 or (r.layer, name) in seen or size > 128 * 64:
+        inputs = "input features x kernel positions" if r.kind == "conv" else "input features"
+        for axis, size, meaning, lines in (("K", cost.k, inputs, "rows"), ("N", cost.n, "output features", "columns")):
+            if size % 128 == 0 or (r.layer, axis) in seen:
                 continue
-            seen.add((r.layer, name))
+            seen.add((r.layer, axis))
             padded = math.ceil(size / 128) * 128
-            filled = size / padded
-            note = "" if size % 8 == 0 else " It is not even a multiple of 8, which XLA pads in memory too."
-            advice.append(f"{r.layer}: {name} = {size} fills {filled:.0%} of the array's "
-                          f"{'rows' if name.startswith('K') else 'columns'} in its last fold; {padded} would cost "
-                          f"the same MXU time and do {padded / size:.2f}x the work.{note}")
+            note = "" if size % 8 == 0 else " It is not a multiple of 8 either, which XLA also pads in memory."
+            advice.append(f"{r.layer}: {axis} = {size} ({meaning}) uses {size / padded:.0%} of the array's {lines} "
+                          f"over its {padded // 128} fold(s); {padded} would take the same MXU time and do "
+                          f"{padded / size:.2f}x the work.{note}")
     return advice
 
 
@@ -321,7 +321,7 @@ def profile(model, batch_size=None, accelerator_type="v2-8", num_cores=None, dat
         report = TPUProfile(model.name, f"{spec.generation}-{type_cores}", num_cores, global_batch,
                             dataset_size, rows, [])
         if with_advice:
-            report.advice = _advice(model, profile_at, report)
+            report.advice = _advice(profile_at, report)
         return report
 
     return profile_at(batch_size, with_advice=advise)

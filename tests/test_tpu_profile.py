@@ -75,7 +75,8 @@ def test_advice_flags_small_batches_and_unaligned_features():
     report = keras_tpu.profile(conv_model(), batch_size=256)  # 32 per core
     advice = "\n".join(report.advice)
     assert "per-core batch is 32" in advice and "would cut the MXU time per example by" in advice
-    assert "classifier: N (output features) = 10" in advice and "not even a multiple of 8" in advice
+    assert "classifier: N = 10 (output features) uses 8% of the array's columns over its 1 fold(s)" in advice
+    assert "conv: K = 27 (input features x kernel positions)" in advice and "not a multiple of 8" in advice
     aligned = keras.Sequential([keras.Input((128,)), keras.layers.Dense(256, name="wide")])
     aligned.compile("sgd", "mse")
     assert keras_tpu.profile(aligned, batch_size=1024).advice == []
