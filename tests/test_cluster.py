@@ -94,3 +94,21 @@ def test_bad_resolver_arguments():
         keras_tpu.initialize_tpu_system("grpc://x:1")
     with pytest.raises(ValueError):
         keras_tpu.TPUClusterResolver(task_index="first")
+
+
+def test_pod_workers_from_arguments_and_environment(monkeypatch):
+    from_list = keras_tpu.TPUClusterResolver(["grpc://10.0.0.2:8476", "10.0.0.3:8476"], task_index=1)
+    from_string = keras_tpu.TPUClusterResolver("10.0.0.2:8476,10.0.0.3:8476", task_index=1)
+    for resolver in (from_list, from_string):
+        assert resolver.workers == ["10.0.0.2:8476", "10.0.0.3:8476"] and resolver.num_workers == 2
+        assert resolver.task_index == 1 and resolver.master() == "grpc://10.0.0.2:8476"
+        assert resolver.cluster_spec().as_dict() == {"worker": ["10.0.0.2:8476", "10.0.0.3:8476"]}
+        assert resolver.num_accelerators() == {"TPU": 4}  # a v2-8 over two workers
+    monkeypatch.setenv("KERAS_TPU_WORKERS", "h1:1,h2:1,h3:1,h4:1")
+    monkeypatch.setenv("KERAS_TPU_TASK_INDEX", "3")
+    from_env = keras_tpu.TPUClusterResolver(accelerator_type="v2-32")
+    assert from_env.num_workers == 4 and from_env.task_index == 3 and from_env.num_accelerators() == {"TPU": 8}
+    # A single TPU address is one worker whatever the environment says about tasks.
+    assert keras_tpu.TPUClusterResolver("grpc://10.0.0.2:8470").task_index == 0
+    with pytest.raises(ValueError, match="out of range"):
+        keras_tpu.TPUClusterResolver(["a:1", "b:1"], task_index=2)

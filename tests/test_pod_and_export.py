@@ -56,7 +56,12 @@ history = tpu.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0).histo
 tpu.save_weights(out + ".h5")
 np.save(out + f"-weights-{{jax.process_index()}}.npy", np.concatenate([w.ravel() for w in tpu.get_weights()]))
 np.save(out + f"-predictions-{{jax.process_index()}}.npy", tpu.predict(x[:37], batch_size=16, verbose=0))
+strategy = keras_tpu.TPUStrategy()
+with strategy.scope():
+    model = small_classifier()
+strategy_history = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
 print("LOSS", history["loss"], "WORKERS", jax.process_count(), "CORES", tpu.strategy.num_cores)
+print("STRATEGY", strategy_history["loss"], strategy.num_replicas_in_sync)
 """
 
 
@@ -71,6 +76,9 @@ def test_two_workers_of_four_cores_train_like_one_process_of_eight(tmp_path):
     losses = [eval(out.split("LOSS")[1].split("WORKERS")[0]) for _, out, _ in pod + single]
     np.testing.assert_allclose(losses[0], losses[2], rtol=1e-3)
     assert losses[0] == losses[1]  # both workers log the same (global) loss
+    strategy_losses = [eval(out.split("STRATEGY")[1].split("]")[0] + "]") for _, out, _ in pod + single]
+    assert all(out.strip().endswith(" 8") for _, out, _ in pod + single)  # 8 replicas in sync
+    np.testing.assert_allclose(strategy_losses[0], strategy_losses[2], rtol=1e-3)
     w0, w1 = (np.load(tmp_path / f"pod-weights-{i}.npy") for i in (0, 1))
     np.testing.assert_array_equal(w0, w1)  # identical weights on every worker
     np.testing.assert_allclose(w0, np.load(tmp_path / "one-weights-0.npy"), atol=2e-3)
