@@ -258,6 +258,13 @@ def keras_to_tpu_model(model, strategy=None):
             f"{type(model).__name__} replaces Keras' {', '.join(custom)}, which keras_tpu cannot split over "
             f"the TPU cores. Put the custom logic in `compute_loss` or in layers."
         )
+    own = _keras_private.overridden_methods(model, ("compute_loss", "compute_metrics"))
+    if own:
+        raise ValueError(
+            f"{type(model).__name__} defines its own {', '.join(own)}, which the TPU model made by "
+            f"keras_to_tpu_model would not call (it runs the compiled loss and metrics). Build the model under "
+            f"keras_tpu.TPUStrategy().scope() instead: the model then runs on the TPU with its own methods."
+        )
     _check_fixed_shapes(model)
     if strategy is None:
         strategy = TPUDistributionStrategy()

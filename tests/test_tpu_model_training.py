@@ -31,6 +31,13 @@ def test_refuses_custom_train_steps_and_double_conversion():
     custom = Custom(inputs=inputs, outputs=keras.layers.Dense(1)(inputs))
     with pytest.raises(ValueError, match="train_step"):
         keras_tpu.keras_to_tpu_model(custom)
+    class OwnLoss(keras.Model):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            return keras.ops.mean(y_pred)
+
+    own_loss = OwnLoss(inputs=inputs, outputs=keras.layers.Dense(1)(inputs))
+    with pytest.raises(ValueError, match="compute_loss.*TPUStrategy"):
+        keras_tpu.keras_to_tpu_model(own_loss)
     tpu = keras_tpu.keras_to_tpu_model(small_classifier())
     with pytest.raises(ValueError, match="already"):
         keras_tpu.keras_to_tpu_model(tpu)

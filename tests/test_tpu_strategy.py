@@ -55,6 +55,28 @@ def test_subclassed_models_and_compile_inside_or_outside(strategy):
     assert "train" in model._keras_tpu_steps.last_programs
 
 
+def test_a_models_own_compute_loss_runs_on_the_tpu(strategy):
+    class MeanSquared(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            per_row = keras.ops.mean((y_pred - y) ** 2, axis=-1)
+            return keras.ops.sum(per_row * sample_weight) / keras.ops.sum(sample_weight)
+
+    x, _ = classification_data(64)
+    y = x[:, :1] * 2
+    with strategy.scope():
+        model = MeanSquared()
+        model.compile(keras.optimizers.SGD(0.1))
+    losses = model.fit(x, y, batch_size=16, epochs=5, verbose=0).history["loss"]
+    assert losses[-1] < 0.5 * losses[0]
+
+
 def test_nested_and_mixed_scopes_are_refused(strategy):
     other = keras_tpu.TPUStrategy()
     with strategy.scope():
