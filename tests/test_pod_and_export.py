@@ -1,5 +1,6 @@
 """TPU pods on JAX's multi-process runtime, and exported inference functions."""
 
+import ast
 import os
 import signal
 import socket
@@ -70,13 +71,14 @@ def test_two_workers_of_four_cores_train_like_one_process_of_eight(tmp_path):
     code = TRAIN.format(repo=REPO)
     pod = finish(launch(code, 2, 4, tmp_path / "pod"))
     single = finish(launch(code, 1, 8, tmp_path / "one"))
-    for returncode, out, err in pod + single:
+    for returncode, _, err in pod + single:
         assert returncode == 0, err[-3000:]
     assert "WORKERS 2 CORES 8" in pod[0][1] and "WORKERS 1 CORES 8" in single[0][1]
-    losses = [eval(out.split("LOSS")[1].split("WORKERS")[0]) for _, out, _ in pod + single]
+    losses = [ast.literal_eval(out.split("LOSS")[1].split("WORKERS")[0].strip()) for _, out, _ in pod + single]
     np.testing.assert_allclose(losses[0], losses[2], rtol=1e-3)
     assert losses[0] == losses[1]  # both workers log the same (global) loss
-    strategy_losses = [eval(out.split("STRATEGY")[1].split("]")[0] + "]") for _, out, _ in pod + single]
+    strategy_losses = [ast.literal_eval(out.split("STRATEGY")[1].split("]")[0].strip() + "]")
+                       for _, out, _ in pod + single]
     assert all(out.strip().endswith(" 8") for _, out, _ in pod + single)  # 8 replicas in sync
     np.testing.assert_allclose(strategy_losses[0], strategy_losses[2], rtol=1e-3)
     w0, w1 = (np.load(tmp_path / f"pod-weights-{i}.npy") for i in (0, 1))
