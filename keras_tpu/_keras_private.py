@@ -16,6 +16,9 @@
 * ``legacy_h5``: the writer and reader of the tf.keras HDF5 weight layout
   (``keras.src.legacy.saving.legacy_h5_format``); public ``save_weights``
   only writes the Keras 3 ``.weights.h5`` layout.
+* ``inference_kwargs`` and ``all_layers``: whether a model's ``call`` takes
+  ``training`` (``Layer._call_has_training_arg``) and every nested layer
+  (``Layer._flatten_layers``; ``Model.layers`` lists only the top level).
 * ``watch_models``: ``TPUStrategy.scope()`` must know which models are
   created and compiled under it. Keras has no public hook for model
   creation; every model (functional, Sequential, subclassed) runs
@@ -129,4 +132,14 @@ def watch_models(on_created, on_compiled):
         yield
     finally:
         Trainer.__init__, keras.Model.compile = original_init, original_compile
+
+
+def inference_kwargs(model):
+    """Keyword arguments that put ``model``'s call in inference mode."""
+    return {"training": False} if model._call_has_training_arg else {}
+
+
+def all_layers(model):
+    """Every layer inside ``model``, nested ones included."""
+    return list(model._flatten_layers(include_self=False))
 

@@ -44,12 +44,13 @@ def export_model(model, path, precision="default"):
         >>> load_exported("/tmp/exported_example")(np.ones((3, 4), np.float32)).shape
         (3, 2)
     """
+    from keras_tpu import _keras_private
     from keras_tpu.mxu.routing import route
 
     inputs = _input_structure(model)
     trainable = [np.asarray(v.value) for v in model.trainable_variables]
     non_trainable = [np.asarray(v.value) for v in model.non_trainable_variables]
-    kwargs = {"training": False} if model._call_has_training_arg else {}
+    kwargs = _keras_private.inference_kwargs(model)
     single = len(inputs) == 1
 
     def infer(trainable, non_trainable, *xs):

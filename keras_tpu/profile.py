@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from keras_tpu import rewrite
+from keras_tpu import _keras_private, rewrite
 from keras_tpu.cluster import accelerator_spec
 from keras_tpu.cores import CoreLayout
 from keras_tpu.mxu.program import mxu_ops
@@ -186,7 +186,7 @@ class TPUProfile:
 
 
 def _layer_names(model):
-    names = {layer.name for layer in model._flatten_layers(include_self=False)}
+    names = {layer.name for layer in _keras_private.all_layers(model)}
     return names | {model.name}
 
 
@@ -233,7 +233,7 @@ def _step_ops(model, steps, step, per_core_batch, layout, rows, cols, x_spec, y_
         args = (state, batch, mask)
     else:
         state = tuple([_abstract(v) for v in part] for part in state_parts)
-        kwargs = {"training": False} if model._call_has_training_arg else {}
+        kwargs = _keras_private.inference_kwargs(model)
         fn = lambda state, x: model.stateless_call(state[0], state[1], x, **kwargs)[0]
         args = (state, x_spec)
     closed = jax.make_jaxpr(rewrite.transform(fn, steps.rule), axis_env=layout.axis_env())(*args)

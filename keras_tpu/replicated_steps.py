@@ -165,7 +165,7 @@ class ReplicatedSteps:
 
     def _core_predict(self, state, data, mask, real_rows, active):
         trainable, non_trainable = state
-        kwargs = {"training": False} if self.model._call_has_training_arg else {}
+        kwargs = _keras_private.inference_kwargs(self.model)
 
         def predict(x):
             return self.model.stateless_call(trainable, non_trainable, x, **kwargs)[0]
