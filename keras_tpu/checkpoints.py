@@ -2,39 +2,27 @@
 
 A checkpoint is one ``.npz`` file holding a list of arrays (model variables,
 then optimizer variables) and a small JSON header with the global step. It is
-written under a temporary name, flushed to disk and only then renamed to
-``ckpt-<step>.npz``; the ``checkpoint`` index naming the latest file is
-replaced the same way afterwards. A process killed at any moment therefore
-leaves either the previous checkpoint or the new one, never a half-written
-file under a checkpoint's name. Restoring falls back to the newest readable
-checkpoint if the index points at a missing or damaged file.
+written atomically (see :mod:`keras_tpu._files`: under a temporary name,
+fsynced, then renamed to ``ckpt-<step>.npz``); the ``checkpoint`` index naming
+the latest file is replaced the same way afterwards. A process killed at any
+moment therefore leaves either the previous checkpoint or the new one, never a
+half-written file under a checkpoint's name. Restoring falls back to the newest
+readable checkpoint if the index points at a missing or damaged file. In a pod
+the chief writes and every worker waits until it is done.
 """
 
 import glob
 import json
 import os
 import re
-import tempfile
 import zipfile
 
 import numpy as np
 
+from keras_tpu import _files
+
 INDEX = "checkpoint"
 _NAME = re.compile(r"ckpt-(\d+)\.npz$")
-
-
-def _atomic_write(path, write):
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def save(model_dir, step, arrays, metadata=None, keep=5):
@@ -45,23 +33,24 @@ def save(model_dir, step, arrays, metadata=None, keep=5):
         >>> latest("/tmp/ckpt_example")[0]
         10
     """
-    from keras_tpu import pod
+    name = f"ckpt-{int(step):08d}.npz"
+    _files.on_chief(f"saved {model_dir}/{name}", lambda: _write(model_dir, name, step, arrays, metadata, keep))
+    return os.path.join(model_dir, name)
 
-    if not pod.is_chief():  # one writer in a pod; the others wait at the next collective
-        return os.path.join(model_dir, f"ckpt-{int(step):08d}.npz")
+
+def _write(model_dir, name, step, arrays, metadata, keep):
     os.makedirs(model_dir, exist_ok=True)
     header = dict(metadata or {}, step=int(step), count=len(arrays),
                   shapes=[list(np.shape(a)) for a in arrays], dtypes=[str(np.asarray(a).dtype) for a in arrays])
-    name = f"ckpt-{int(step):08d}.npz"
     payload = {f"a{i}": np.asarray(a) for i, a in enumerate(arrays)}
     payload["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
-    _atomic_write(os.path.join(model_dir, name), lambda f: np.savez(f, **payload))
+    # One writer (the chief in a pod, which on_chief above arranges), so no barrier per file.
+    _files.write_file(os.path.join(model_dir, name), lambda f: np.savez(f, **payload), pod_sync=False)
     steps = sorted(_steps_on_disk(model_dir))
-    _atomic_write(os.path.join(model_dir, INDEX),
-                  lambda f: f.write(json.dumps({"latest": name, "all": [f"ckpt-{s:08d}.npz" for s in steps]}).encode()))
+    index = json.dumps({"latest": name, "all": [f"ckpt-{s:08d}.npz" for s in steps]})
+    _files.write_file(os.path.join(model_dir, INDEX), lambda f: f.write(index), "w", pod_sync=False)
     for old in steps[:-keep] if keep else []:
         os.remove(os.path.join(model_dir, f"ckpt-{old:08d}.npz"))
-    return os.path.join(model_dir, name)
 
 
 def _steps_on_disk(model_dir):

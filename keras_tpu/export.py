@@ -15,11 +15,11 @@ predictions as the TPU model, for any batch size.
 
 import json
 import os
-import shutil
-import tempfile
 
 import jax
 import numpy as np
+
+from keras_tpu import _files
 
 ARTIFACT = "inference.jaxexport"
 WEIGHTS = "weights.npz"
@@ -33,8 +33,14 @@ def _input_structure(model):
     return [(getattr(t, "name", f"input_{i}"), tuple(t.shape[1:]), str(t.dtype)) for i, t in enumerate(inputs)]
 
 
-def export_model(model, path, precision="default"):
+def export_model(model, path, precision="default", pod_sync=False):
     """Export ``model``'s inference function (on the MXU at ``precision``) to the directory ``path``.
+
+    The directory is written under a temporary name and swapped in when complete:
+    ``path`` holds the previous export or the new one, never a half-written one.
+    In a pod, ``pod_sync=True`` (for callers running on every worker) has the chief
+    write while every worker waits; the default is for callers that already run
+    on the chief only.
 
     Example:
         >>> import keras
@@ -63,10 +69,7 @@ def export_model(model, path, precision="default"):
     exported = jax.export.export(jax.jit(route(infer, precision)), platforms=["cpu"])(*weight_specs, *specs)
     output_names = list(getattr(model, "output_names", None) or [])
 
-    parent = os.path.dirname(os.path.abspath(path)) or "."
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(dir=parent, prefix=".tmp-export-")
-    try:
+    def write(staging):
         with open(os.path.join(staging, ARTIFACT), "wb") as f:
             f.write(exported.serialize())
         np.savez(os.path.join(staging, WEIGHTS), **{f"t{i}": w for i, w in enumerate(trainable)},
@@ -76,16 +79,9 @@ def export_model(model, path, precision="default"):
                        "inputs": [{"name": n, "shape": list(s), "dtype": d} for n, s, d in inputs],
                        "outputs": output_names, "trainable": len(trainable), "non_trainable": len(non_trainable)},
                       f, indent=2)
-        if os.path.exists(path):  # replace an older export only once the new one is complete
-            old = path + ".old"
-            os.replace(path, old)
-            os.replace(staging, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(staging, path)
-    finally:
-        if os.path.exists(staging):
-            shutil.rmtree(staging)
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    _files.save_directory(path, write, pod_sync=pod_sync)
     return path
 
 

@@ -5,17 +5,17 @@
   tf.keras 2.x.
 * ``name.weights.h5``: Keras 3's own weights format.
 
-A file is written next to its destination under a temporary name and moved
-into place only when complete, so a failed save never damages an existing
-file. In a TPU pod only the first worker writes.
+A file is written next to its destination under a temporary name, fsynced
+and moved into place only when complete (see :mod:`keras_tpu._files`), so a
+failed or killed save never damages an existing file. In a TPU pod only the
+first worker writes, and every worker waits until the file is complete.
 """
 
 import os
-import tempfile
 
 import h5py
 
-from keras_tpu import _keras_private, pod
+from keras_tpu import _files, _keras_private
 
 LEGACY_SUFFIXES = (".h5", ".hdf5")
 KERAS3_SUFFIX = ".weights.h5"
@@ -49,28 +49,16 @@ def save_weights(model, filepath, overwrite=True):
             f"Cannot tell the weights format from {filepath!r}. Use a name ending in '.h5' (the tf.keras HDF5 "
             f"layout, loadable by Keras 3 and tf.keras) or '.weights.h5' (Keras 3's format)."
         )
-    directory = _check_destination(filepath, overwrite)
-    if pod.is_chief():
-        _write_weights(model, directory, filepath, suffix)
-    pod.barrier(f"saved {filepath}")  # the other workers may read it next
+    _check_destination(filepath, overwrite)
+    _files.save_file(filepath, lambda tmp: _write_weights(model, tmp, suffix))  # chief writes; all wait
 
 
-def _write_weights(model, directory, filepath, suffix):
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-keras-tpu-", suffix=suffix)
-    os.close(fd)
-    try:
-        if suffix == KERAS3_SUFFIX:
-            model.save_weights(tmp, overwrite=True)
-        else:
-            with h5py.File(tmp, "w") as f:
-                _keras_private.legacy_h5.save_weights_to_hdf5_group(f, model)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp files are private; give the usual permissions
-        os.replace(tmp, filepath)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+def _write_weights(model, tmp, suffix):
+    if suffix == KERAS3_SUFFIX:
+        model.save_weights(tmp, overwrite=True)
+    else:
+        with h5py.File(tmp, "w") as f:
+            _keras_private.legacy_h5.save_weights_to_hdf5_group(f, model)
 
 
 def load_weights(model, filepath, **kwargs):
@@ -94,14 +82,5 @@ def save_model(model, filepath, overwrite=True, **kwargs):
     suffix = ".keras" if filepath.endswith(".keras") else os.path.splitext(filepath)[1]
     if suffix not in (".keras",) + LEGACY_SUFFIXES:
         raise ValueError(f"Save a whole model as 'name.keras' (or legacy 'name.h5'); got {filepath!r}.")
-    directory = _check_destination(filepath, overwrite)
-    if pod.is_chief():
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-keras-tpu-", suffix=suffix)
-        os.close(fd)
-        try:
-            model.save(tmp, overwrite=True, **kwargs)
-            os.replace(tmp, filepath)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-    pod.barrier(f"saved {filepath}")
+    _check_destination(filepath, overwrite)
+    _files.save_file(filepath, lambda tmp: model.save(tmp, overwrite=True, **kwargs))  # chief writes; all wait

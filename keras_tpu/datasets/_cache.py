@@ -5,6 +5,8 @@ import tempfile
 
 import numpy as np
 
+from keras_tpu import _files
+
 BUNDLED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
 
@@ -36,12 +38,7 @@ def load_or_build(path, build):
         except (OSError, ValueError):
             pass  # a damaged cache file is rebuilt below
     arrays = build()
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp.npz")
-    os.close(fd)
-    try:
-        np.savez(tmp, **arrays)
-        os.replace(tmp, path)  # readers never see a half-written cache
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    # Readers never see a half-written cache. The cache is per host and every pod worker
+    # loads its data itself, so each process writes its own (pod_sync=False): no barrier.
+    _files.write_file(path, lambda f: np.savez(f, **arrays), pod_sync=False)
     return arrays
