@@ -8,7 +8,12 @@ costed (:mod:`keras_tpu.mxu.program`).
 
 Their autodiff and batching rules reuse JAX's rules for the plain ops and
 route the ops those rules produce back onto the MXU, so ``grad`` and ``vmap``
-of MXU code stay on the MXU.
+of MXU code stay on the MXU. Like ``jax/_src/lax/convolution.py``, this
+module keeps each primitive's rules beside it, including the rewrite rule
+that replaces the plain op by the primitive (:func:`mxu_rule`) and
+:func:`route`, which the transpose and batching rules need; the public
+routing module :mod:`keras_tpu.mxu.routing` re-exports them. (So this module
+imports nothing of the MXU package but :mod:`keras_tpu.mxu.numerics`.)
 
 Lowering: the arithmetic is done by XLA on bfloat16-rounded float32
 operands (exact products, float32 accumulation). A convolution is lowered to
@@ -27,7 +32,8 @@ from jax import lax
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
-from keras_tpu.mxu.numerics import Precision, canonical_precision, multipass
+from keras_tpu import rewrite
+from keras_tpu.mxu.numerics import Precision, canonical_precision, is_mxu_dtype, multipass, op_precision
 
 
 def _f32_dot(dimension_numbers):
@@ -43,7 +49,7 @@ def _f32_conv(window_strides, padding, lhs_dilation, rhs_dilation, dimension_num
         preferred_element_type=jnp.float32)
 
 
-class _MXUOp:
+class _MXUPrimitive:
     """One MXU primitive: the plain lax op it replaces and how to run it on the MXU."""
 
     def __init__(self, name, plain_primitive, plain_fn, f32_op):
@@ -81,8 +87,6 @@ class _MXUOp:
 
     def _transpose_rule(self, operand):
         def rule(cotangent, lhs, rhs, **params):
-            from keras_tpu.mxu.routing import route
-
             precision, plain = self.split_params(params)
             unknown, known = (lhs, rhs) if operand == 0 else (rhs, lhs)
 
@@ -96,8 +100,6 @@ class _MXUOp:
         return rule
 
     def _batch_rule(self, args, dims, **params):
-        from keras_tpu.mxu.routing import route
-
         precision, plain = self.split_params(params)
         batched = jax.vmap(functools.partial(self.plain_fn, **plain), in_axes=tuple(dims))
         return route(batched, precision=precision)(*args), 0
@@ -129,12 +131,55 @@ def _plain_conv(lhs, rhs, *, window_strides, padding, lhs_dilation, rhs_dilation
                                     out_sharding=out_sharding)
 
 
-DOT = _MXUOp("mxu_dot_general", lax.dot_general_p, _plain_dot, _f32_dot)
-CONV = _MXUOp("mxu_conv", lax.conv_general_dilated_p, _plain_conv, _f32_conv)
+DOT = _MXUPrimitive("mxu_dot_general", lax.dot_general_p, _plain_dot, _f32_dot)
+CONV = _MXUPrimitive("mxu_conv", lax.conv_general_dilated_p, _plain_conv, _f32_conv)
 
 mxu_dot_general_p = DOT.primitive
 mxu_conv_p = CONV.primitive
 MXU_PRIMITIVES = (mxu_dot_general_p, mxu_conv_p)
+
+
+_REPLACEMENTS = {
+    lax.dot_general_p: mxu_dot_general_p,
+    lax.conv_general_dilated_p: mxu_conv_p,
+}
+
+
+def mxu_rule(precision="default"):
+    """A :mod:`keras_tpu.rewrite` rule that puts float dots and convolutions on the MXU.
+
+    An op that asks for more than the default precision (``HIGH`` or
+    ``HIGHEST``) gets it; all others run at ``precision``. Integer and
+    float64 products stay off the MXU.
+    """
+    default = canonical_precision(precision)
+
+    def rule(eqn):
+        target = _REPLACEMENTS.get(eqn.primitive)
+        if target is None or not all(is_mxu_dtype(v.aval.dtype) for v in eqn.invars):
+            return None
+        params = dict(eqn.params)
+        params["mxu_precision"] = op_precision(params.pop("precision"), default)
+        return eqn.replace(primitive=target, params=params)
+
+    return rule
+
+
+def route(fun, precision="default"):
+    """Return ``fun`` with all its matrix work on the MXU (see :mod:`keras_tpu.mxu.routing`).
+
+    Args:
+        fun: a JAX-traceable function of arrays (or pytrees of arrays).
+        precision: ``"default"`` (one bfloat16 pass), ``"high"``
+            (bf16_3x) or ``"highest"`` (bf16_6x), or an alias.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from keras_tpu import mxu
+        >>> loss = lambda w, x: jnp.sum(jnp.tanh(x @ w))
+        >>> grads = jax.jit(mxu.route(jax.grad(loss)))(jnp.ones((3, 2)), jnp.ones((4, 3)))
+    """
+    return rewrite.transform(fun, mxu_rule(precision))
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
@@ -167,8 +212,6 @@ def matmul(lhs, rhs, precision=None):
         >>> c.shape, c.dtype
         ((128, 64), dtype('float32'))
     """
-    from keras_tpu.mxu.routing import route
-
     return route(jnp.matmul, precision=canonical_precision(precision))(lhs, rhs)
 
 
@@ -181,8 +224,6 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
         >>> y = conv_general_dilated(jnp.ones((2, 8, 8, 3)), jnp.ones((3, 3, 3, 4)), (1, 1), "SAME",
         ...                          dimension_numbers=("NHWC", "HWIO", "NHWC"))
     """
-    from keras_tpu.mxu.routing import route
-
     def conv(a, b):
         return lax.conv_general_dilated(a, b, window_strides, padding, lhs_dilation, rhs_dilation,
                                         dimension_numbers, feature_group_count, batch_group_count,
@@ -192,4 +233,4 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
 
 
 __all__ = ["Precision", "mxu_dot_general_p", "mxu_conv_p", "MXU_PRIMITIVES", "dot_general", "matmul",
-           "conv_general_dilated"]
+           "conv_general_dilated", "mxu_rule", "route"]

@@ -1,0 +1,129 @@
+"""The keras_tpu package has no import cycles (beyond a shrinking list of known ones).
+
+Every module of the package is parsed with ``ast`` (nothing is imported) and
+every import of a keras_tpu module is an edge, whether it is at module level
+or inside a function: a function-local import hides a cycle from Python's
+import machinery but not from the design. A package's implicit import of its
+parent packages is not an edge (importing ``keras_tpu.mxu.cost`` runs
+``keras_tpu/__init__.py``, which imports everything; that is not a cycle of
+the design).
+
+``KNOWN_CYCLES_TO_REMOVE`` lists the cycles that exist today and are to be
+removed. The test fails on any cycle not listed (a new one), and on any
+listed cycle that no longer exists (so remove it from the list).
+"""
+
+import ast
+import os
+
+PACKAGE = "keras_tpu"
+PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), PACKAGE)
+
+# Each cycle as the tuple of its modules, starting at the alphabetically first,
+# in import order (a imports b imports ... imports a). Empty this set.
+KNOWN_CYCLES_TO_REMOVE = {
+    ("keras_tpu.profile", "keras_tpu.tpu_model"),   # tpu_model imports profile inside a method
+}
+
+
+def package_modules():
+    """``{module name: source path}`` for every module of the package."""
+    modules = {}
+    for root, dirs, files in os.walk(PACKAGE_DIR):
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__pycache__")))
+        for name in sorted(files):
+            if not name.endswith(".py"):
+                continue
+            rel = os.path.relpath(os.path.join(root, name), os.path.dirname(PACKAGE_DIR))
+            parts = rel[:-3].split(os.sep)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join(parts)] = os.path.join(root, name)
+    return modules
+
+
+def _resolve(name, modules):
+    """The module that importing ``name`` runs last: ``name`` itself if it is a module."""
+    return name if name in modules else None
+
+
+def imported_modules(module, path, modules):
+    """The keras_tpu modules ``module`` imports anywhere in its source."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    is_package = os.path.basename(path) == "__init__.py"
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                target = _resolve(alias.name, modules)
+                if target:
+                    found.add(target)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source != PACKAGE and not source.startswith(PACKAGE + "."):
+                continue
+            for alias in node.names:
+                # `from keras_tpu.mxu import cost` imports the submodule; `from keras_tpu.mxu import route`
+                # imports the package keras_tpu.mxu.
+                target = _resolve(f"{source}.{alias.name}", modules) or _resolve(source, modules)
+                if target:
+                    found.add(target)
+    found.discard(module)
+    return found
+
+
+def import_graph():
+    modules = package_modules()
+    return {module: imported_modules(module, path, modules) for module, path in modules.items()}
+
+
+def elementary_cycles(graph):
+    """Every simple cycle, each as a tuple starting at its smallest module (one DFS per start node)."""
+    cycles = set()
+    nodes = sorted(graph)
+    for start in nodes:
+        stack = [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for nxt in sorted(graph.get(node, ())):
+                if nxt == start:
+                    cycles.add(tuple(path))
+                elif nxt > start and nxt not in path:
+                    stack.append((nxt, path + [nxt]))
+    return cycles
+
+
+def format_cycle(cycle):
+    return " -> ".join(cycle + (cycle[0],))
+
+
+def test_the_graph_sees_module_level_and_local_imports():
+    graph = import_graph()
+    assert "keras_tpu.mxu.numerics" in graph["keras_tpu.mxu.primitives"]      # module level
+    assert "keras_tpu.mxu.routing" in graph["keras_tpu.export"]                # inside a function
+    assert "keras_tpu.mxu" in graph["keras_tpu"]                               # `from keras_tpu import mxu`
+
+
+def test_cycle_finder_on_a_toy_graph():
+    graph = {"a": {"b"}, "b": {"c", "a"}, "c": {"a"}, "d": {"d"}}
+    assert elementary_cycles(graph) == {("a", "b"), ("a", "b", "c"), ("d",)}
+
+
+def test_no_new_import_cycles_and_no_stale_known_ones():
+    cycles = elementary_cycles(import_graph())
+    new = sorted(cycles - KNOWN_CYCLES_TO_REMOVE)
+    gone = sorted(KNOWN_CYCLES_TO_REMOVE - cycles)
+    message = []
+    if new:
+        message.append("Import cycles in keras_tpu (module-level or function-local imports):\n  "
+                       + "\n  ".join(format_cycle(c) for c in new))
+    if gone:
+        message.append("These cycles no longer exist; remove them from KNOWN_CYCLES_TO_REMOVE:\n  "
+                       + "\n  ".join(format_cycle(c) for c in gone))
+    assert not message, "\n".join(message)
