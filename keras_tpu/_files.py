@@ -17,8 +17,8 @@ dataset cache) goes through this module:
   file is unchanged.").
 
 A process killed with SIGKILL (or a power cut) cannot remove its temporary:
-it stays behind, hidden by its leading dot, until a later successful save of
-the same name on the same host removes it (its process being gone).
+it stays behind, hidden by its leading dot, until a later successful save in
+the same directory on the same host removes it (its process being gone).
 
 In a TPU pod (several worker processes, see :mod:`keras_tpu.pod`) only the
 chief writes; every worker then waits at :func:`keras_tpu.pod.barrier`, so no
@@ -38,6 +38,7 @@ import zlib
 
 TEMP_PREFIX = ".tmp-keras-tpu-"
 _HOST = f"{zlib.crc32(socket.gethostname().encode()):08x}"
+_HDF5_ERRNO = re.compile(r"errno = (\d+), error message = '([^']*)'")  # how HDF5 reports a failed write
 _TEMP = re.compile(re.escape(TEMP_PREFIX) + r"(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{8}-(?P<name>.+)\Z", re.S)
 
 
@@ -90,12 +91,13 @@ def save_directory(path, save, *, pod_sync=True):
     return _on_chief_if(pod_sync, os.fspath(path), lambda: _replace(os.fspath(path), save, directory=True))
 
 
-def on_chief(name, fn):
+def on_chief(name, fn, failure_message=None):
     """Run ``fn()`` on the chief only, then make every worker of a pod wait at ``pod.barrier(name)``.
 
     Returns ``fn()``'s result on the chief (``None`` on the other workers). If
-    ``fn`` fails on the chief, it raises there and an ``OSError`` on the other
-    workers, after the barrier. On one process this is just ``fn()``.
+    ``fn`` fails on the chief, it raises there and an ``OSError`` (with
+    ``failure_message``) on the other workers, after the barrier. On one
+    process this is just ``fn()``.
     """
     from keras_tpu import pod
 
@@ -115,13 +117,13 @@ def on_chief(name, fn):
     if failure is not None:
         raise failure
     if not chief_ok:
-        raise OSError(f"The chief worker failed at {name!r} (see its error); the previous file is unchanged.")
+        raise OSError(failure_message or f"The chief worker failed at {name!r}; see its error.")
     return result
 
 
 def _on_chief_if(pod_sync, path, fn):
     if pod_sync:
-        on_chief(f"saved {path}", fn)
+        on_chief(f"saved {path}", fn, f"Could not save {path}: the chief worker failed to write it; see its error.")
     else:
         fn()
     return path
@@ -141,10 +143,18 @@ def _replace(path, save, directory):
         _fsync_tree(tmp)
         old = _swap(tmp, target) if directory and existed else os.replace(tmp, target)
         _fsync_directory(parent)
-    except BaseException as error:
-        _remove(tmp)
+    except BaseException as error:  # Ctrl-C included: never leave the temporary behind
+        try:
+            _remove(tmp)
+        except OSError:
+            pass
         if isinstance(error, OSError):
             raise _clear_error(error, path, existed, directory) from error
+        hdf5 = _HDF5_ERRNO.search(str(error)) if isinstance(error, Exception) else None
+        if hdf5:  # h5py raises HDF5's I/O failures (a full disk) as RuntimeError
+            clear = OSError(_message(path, hdf5.group(2), existed, directory))
+            clear.errno = int(hdf5.group(1))
+            raise clear from error
         if isinstance(error, Exception):
             error.add_note(_message(path, None, existed, directory))
         raise
@@ -249,15 +259,16 @@ def _remove(path):
 
 
 def _remove_stale_temps(target):
-    """Remove temporaries of ``target`` left by processes of this host that no longer run (SIGKILL)."""
-    directory, name = os.path.split(target)
+    """Remove the temporaries in ``target``'s directory left by processes of this host that no
+    longer run (killed mid-save)."""
+    directory = os.path.dirname(target)
     try:
         entries = [e for e in os.listdir(directory) if e.startswith(TEMP_PREFIX)]
     except OSError:
         return
     for entry in entries:
         match = _TEMP.match(entry)
-        if not match or match.group("name") != name or match.group("host") != _HOST:
+        if not match or match.group("host") != _HOST:
             continue
         pid = int(match.group("pid"))
         if pid == os.getpid() or _running(pid):

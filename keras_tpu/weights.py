@@ -11,6 +11,7 @@ failed or killed save never damages an existing file. In a TPU pod only the
 first worker writes, and every worker waits until the file is complete.
 """
 
+import io
 import os
 
 import h5py
@@ -50,15 +51,19 @@ def save_weights(model, filepath, overwrite=True):
             f"layout, loadable by Keras 3 and tf.keras) or '.weights.h5' (Keras 3's format)."
         )
     _check_destination(filepath, overwrite)
-    _files.save_file(filepath, lambda tmp: _write_weights(model, tmp, suffix))  # chief writes; all wait
-
-
-def _write_weights(model, tmp, suffix):
-    if suffix == KERAS3_SUFFIX:
-        model.save_weights(tmp, overwrite=True)
+    if suffix == KERAS3_SUFFIX:  # chief writes; all wait
+        _files.save_file(filepath, lambda tmp: model.save_weights(tmp, overwrite=True))
     else:
-        with h5py.File(tmp, "w") as f:
-            _keras_private.legacy_h5.save_weights_to_hdf5_group(f, model)
+        _files.write_file(filepath, lambda f: f.write(_legacy_h5_bytes(model)))
+
+
+def _legacy_h5_bytes(model):
+    """The tf.keras HDF5 weights file, built in memory: a full disk then fails in Python's own
+    ``write`` (a plain OSError) rather than inside HDF5, which is left in a bad state by it."""
+    buffer = io.BytesIO()
+    with h5py.File(buffer, "w") as f:
+        _keras_private.legacy_h5.save_weights_to_hdf5_group(f, model)
+    return buffer.getbuffer()
 
 
 def load_weights(model, filepath, **kwargs):
