@@ -121,6 +121,9 @@ class ClusterSpec:
 
 _LOCAL_NAMES = (None, "", "local")
 
+# The worker address the local simulated TPU reports (a Cloud TPU serves gRPC on port 8470).
+LOCAL_WORKER_ADDRESS = "localhost:8470"
+
 
 def _strip_grpc(address):
     return address[len("grpc://"):] if address.startswith("grpc://") else address
@@ -210,8 +213,17 @@ class TPUClusterResolver:
         return self.job_name
 
     def cluster_spec(self):
-        """All workers, as ``ClusterSpec({"worker": [...]})`` (empty for the local TPU)."""
-        return ClusterSpec({self.job_name: list(self.workers)} if self.workers else {})
+        """All workers, as ``ClusterSpec({"worker": [...]})``.
+
+        The local simulated TPU (and a TPU given by name) is one worker at
+        ``localhost:8470``, the port of a Cloud TPU's gRPC endpoint, so that
+        ``resolver.cluster_spec().as_dict()["worker"]`` works as on a real TPU.
+
+        Example:
+            >>> TPUClusterResolver("local").cluster_spec().as_dict()
+            {'worker': ['localhost:8470']}
+        """
+        return ClusterSpec({self.job_name: list(self.workers) or [LOCAL_WORKER_ADDRESS]})
 
     def num_accelerators(self, task_type=None, task_id=None, config_proto=None):
         """TPU cores per worker, as TensorFlow reports them: ``{"TPU": 8}``."""
@@ -287,6 +299,9 @@ class Topology:
 
 
 _topology = None
+# (topology id, address, job) whose "Found TPU system" block was logged -> that topology (kept alive,
+# so that its id is not reused)
+_announced = {}
 
 
 def experimental_connect_to_cluster(cluster_spec_or_resolver=None, **unused):
@@ -303,8 +318,9 @@ def experimental_connect_to_cluster(cluster_spec_or_resolver=None, **unused):
 def initialize_tpu_system(resolver=None):
     """Start the simulated TPU and return its :class:`Topology`.
 
-    Logs what it found, as TensorFlow does. Calling it again with the same
-    accelerator type returns the same topology.
+    Logs what it found, as TensorFlow does, once per system: calling it again
+    for the same TPU (as ``TPUStrategy`` and ``TPUEstimator`` do) returns the
+    same topology and logs only a debug line.
 
     Example:
         >>> topology = initialize_tpu_system(TPUClusterResolver(tpu="grpc://10.0.0.2:8470"))
@@ -333,6 +349,11 @@ def initialize_tpu_system(resolver=None):
         layout = CoreLayout(cores_per_worker * workers)
         topology = Topology(resolver.accelerator_type, resolver.spec, workers, cores_per_worker, layout)
         _topology = topology
+    announced = (id(topology), where, resolver.job_name)
+    if announced in _announced:  # TPUStrategy and the estimator call this again for the same system
+        logger.debug("The TPU system %s is already initialized.", where)
+        return topology
+    _announced[announced] = topology
     logger.info("Initializing the TPU system: %s (simulated in this process).", where)
     logger.info("Found TPU system:")
     logger.info("*** Num TPU Cores: %d", topology.num_cores)

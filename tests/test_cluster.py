@@ -20,7 +20,10 @@ def test_local_names_mean_the_local_tpu(local, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     resolver = keras_tpu.TPUClusterResolver(local)
     assert resolver.is_local and resolver.master() == ""
-    assert resolver.cluster_spec().as_dict() == {}
+    # One simulated worker, with an address, so that TF code printing the workers runs.
+    assert resolver.cluster_spec().as_dict() == {"worker": ["localhost:8470"]}
+    assert resolver.cluster_spec().as_dict()["worker"] == ["localhost:8470"]
+    assert resolver.cluster_spec().num_tasks("worker") == 1
     assert resolver.num_accelerators() == {"TPU": 8}
 
 
@@ -32,6 +35,7 @@ def test_colab_and_tpu_name_environment(monkeypatch):
     monkeypatch.setenv("TPU_NAME", "my-tpu")
     resolver = keras_tpu.TPUClusterResolver()
     assert resolver.tpu == "my-tpu" and resolver.is_local
+    assert resolver.cluster_spec().as_dict() == {"worker": ["localhost:8470"]}
     # An explicit argument wins over the environment.
     assert keras_tpu.TPUClusterResolver("grpc://1.1.1.1:1").master() == "grpc://1.1.1.1:1"
 
@@ -61,22 +65,33 @@ def test_unknown_accelerator_type_lists_the_known_ones():
     assert "v3-8" in ACCELERATOR_TYPES
 
 
-def test_initialize_logs_the_tensorflow_lines(caplog):
+def keras_tpu_log(caplog, fn, level=logging.INFO):
+    """What ``fn()`` logs on the keras_tpu logger (which does not propagate to pytest's handler)."""
     logger = logging.getLogger("keras_tpu")
     logger.addHandler(caplog.handler)
+    caplog.clear()
     try:
-        with caplog.at_level(logging.INFO, logger="keras_tpu"):
-            topology = keras_tpu.initialize_tpu_system(keras_tpu.TPUClusterResolver("grpc://10.0.0.2:8470"))
+        with caplog.at_level(level, logger="keras_tpu"):
+            result = fn()
     finally:
         logger.removeHandler(caplog.handler)
-    text = caplog.text
+    return caplog.text, result
+
+
+def test_initialize_logs_the_tensorflow_lines(caplog, monkeypatch):
+    from keras_tpu import cluster
+
+    monkeypatch.setattr(cluster, "_announced", {})  # as in a fresh process
+    text, topology = keras_tpu_log(
+        caplog, lambda: keras_tpu.initialize_tpu_system(keras_tpu.TPUClusterResolver("grpc://10.0.0.2:8470")))
     assert "Found TPU system:" in text
     assert "*** Num TPU Cores: 8" in text
     assert "*** Num TPU Workers: 1" in text
     assert "*** Num TPU Cores Per Worker: 8" in text
     assert topology.num_cores == 8 and topology.num_chips == 4 and topology.mxus_per_core == 1
     assert topology.mxu_shape == (128, 128)
-    assert topology.mesh.devices.size == 8
+    # Every core has a device (how many cores share one device is the core layout's business).
+    assert len(topology.layout.core_devices()) == 8 and topology.mesh is not None
     assert "8 cores" in topology.describe()
 
 
@@ -112,3 +127,26 @@ def test_pod_workers_from_arguments_and_environment(monkeypatch):
     assert keras_tpu.TPUClusterResolver("grpc://10.0.0.2:8470").task_index == 0
     with pytest.raises(ValueError, match="out of range"):
         keras_tpu.TPUClusterResolver(["a:1", "b:1"], task_index=2)
+
+
+def test_the_found_tpu_system_block_is_logged_once_per_system(caplog, monkeypatch):
+    from keras_tpu import cluster
+
+    monkeypatch.setattr(cluster, "_announced", {})
+    resolver = keras_tpu.TPUClusterResolver("grpc://10.0.0.9:8470")
+
+    def notebook():  # the usual TF 2 cell: initialize, then the strategy (which initializes again)
+        keras_tpu.experimental_connect_to_cluster(resolver)
+        keras_tpu.initialize_tpu_system(resolver)
+        keras_tpu.initialize_tpu_system(resolver)
+        return keras_tpu.TPUStrategy(resolver)
+
+    text, _ = keras_tpu_log(caplog, notebook)
+    assert text.count("Found TPU system:") == 1 and text.count("*** Num TPU Cores: 8") == 1
+    assert text.count("Available Device: /job:worker/replica:0/task:0/device:TPU:0") == 1
+    again, _ = keras_tpu_log(caplog, lambda: keras_tpu.initialize_tpu_system(resolver), logging.DEBUG)
+    assert "Found TPU system" not in again and again.count("\n") <= 1  # at most one short debug line
+    assert "already initialized" in again
+    # Another TPU (address) is announced once too.
+    other, _ = keras_tpu_log(caplog, lambda: keras_tpu.initialize_tpu_system(keras_tpu.TPUClusterResolver("local")))
+    assert other.count("Found TPU system:") == 1
