@@ -24,23 +24,60 @@ Each call of ``model_fn`` creates new layers, as TensorFlow 1 rebuilt its
 graph per mode; the modes share weights through the checkpoints in
 ``model_dir``, matched in the order the layers create them.
 
-Data: ``input_fn(params)`` gets ``params["batch_size"]``, the per-core batch
-(global batch / cores), and returns either whole arrays ``(features,
+``params``, as in TensorFlow 1.15: ``model_fn`` and ``input_fn`` get a copy of
+the constructor's ``params`` with ``params["batch_size"]`` (the per-core batch
+on the TPU, the global batch on the CPU) and, on the TPU,
+``params["context"]``, a :class:`TPUContext` (``num_replicas``,
+``num_hosts``, ...). ``model_fn`` also gets ``params["use_tpu"]``. The keys
+``batch_size`` and ``context`` are reserved. ``input_fn`` and ``model_fn`` may
+also take ``mode`` and ``config`` arguments.
+
+Data: ``input_fn(params)`` returns either whole arrays ``(features,
 labels)``, which the estimator batches at the global batch size (shuffled for
 training, the last batch padded for evaluation and prediction), or an
 iterable (generator, ``keras.utils.PyDataset``) of batches of
-``params["batch_size"]`` rows, of which each step takes one per core.
+``params["batch_size"]`` rows, of which each step takes one per core (as
+TensorFlow's ``PER_HOST_V2`` input pipeline). No more batches are taken from
+the input than the steps run: ``evaluate(steps=1)`` takes one global batch,
+and ``predict`` is a lazy generator, one device call of at most
+``iterations_per_loop`` batches at a time, so it works on endless inputs.
 
 Evaluation runs the graph one example at a time (vectorised), so the loss is
 the mean of per-example losses over the real examples, exact with a padded
 last batch for losses that average over the batch; ``metric_fn`` is called
 once, on the concatenated metric tensors of all real evaluation examples.
+
+Checkpoints are ``model_dir/ckpt-<step>.npz`` files (:mod:`keras_tpu.checkpoints`);
+:meth:`TPUEstimator.latest_checkpoint` returns the newest one's path, and
+:meth:`TPUEstimator.get_variable_names` lists its variables by path, named as
+TensorFlow names them in a fresh graph (``dense/kernel``, ``dense_1/bias``,
+``sgd/iteration``, ``global_step``).
+
+Hooks: ``train``, ``evaluate`` and ``predict`` take ``hooks``, objects with
+TensorFlow's ``SessionRunHook`` methods (``begin``, ``after_create_session``,
+``before_run``, ``after_run``, ``end``; all optional), called once per device
+loop of ``iterations_per_loop`` steps, as TPUEstimator does. There is no
+TensorFlow session, so the ``session`` arguments are ``None``, fetches that
+``before_run`` requests are not run, and ``run_values.results`` holds the
+loop's ``{"loss": ..., "global_step": ...}`` (training) or
+``{"global_step": ...}``. ``run_context.request_stop()`` ends the loop after
+the current device call. ``train``'s ``saving_listeners`` get
+``begin``/``before_save``/``after_save``/``end`` around each checkpoint; an
+``after_save`` returning True stops training.
 """
 
+import collections
 import dataclasses
+import enum
 import inspect
 import itertools
+import json
+import math
+import numbers
 import os
+import re
+import shutil
+import tempfile
 import time
 
 import jax
@@ -66,24 +103,33 @@ class ModeKeys:
 
 @dataclasses.dataclass
 class TPUEstimatorSpec:
-    """What ``model_fn`` returns.
+    """What ``model_fn`` returns (TensorFlow 1.15's ``TPUEstimatorSpec``, same argument order).
 
     Args:
         mode: the ``ModeKeys`` value ``model_fn`` was called with.
+        predictions: a symbolic tensor or dict of them (PREDICT).
         loss: a scalar symbolic tensor (TRAIN and EVAL).
         train_op: the optimizer, a :class:`CrossShardOptimizer` (TRAIN).
         eval_metrics: ``(metric_fn, tensors)`` where ``tensors`` is a list or
             dict of symbolic tensors with one row per example (EVAL).
-        predictions: a symbolic tensor or dict of them (PREDICT).
         export_outputs: accepted for compatibility.
+        scaffold_fn, host_call: accepted for compatibility; not run (there is
+            no TensorFlow graph to scaffold and no host summary loop).
+        training_hooks, evaluation_hooks, prediction_hooks: hooks added to
+            those given to ``train``, ``evaluate`` and ``predict``.
     """
 
     mode: str
+    predictions: object = None
     loss: object = None
     train_op: object = None
     eval_metrics: tuple = None
-    predictions: object = None
     export_outputs: object = None
+    scaffold_fn: object = None
+    host_call: object = None
+    training_hooks: object = None
+    evaluation_hooks: object = None
+    prediction_hooks: object = None
 
 
 class CrossShardOptimizer:
@@ -108,6 +154,17 @@ class CrossShardOptimizer:
         self.reduction = reduction
 
 
+class InputPipelineConfig:
+    """TensorFlow's values for ``TPUConfig.per_host_input_for_training`` (accepted; the estimator
+    always feeds as ``PER_HOST_V2``: ``input_fn`` runs once per host and gives per-core batches)."""
+
+    PER_SHARD_V1 = 1
+    PER_HOST_V1 = 2
+    PER_HOST_V2 = 3
+    BROADCAST = 4
+    SLICED = 5
+
+
 @dataclasses.dataclass
 class TPUConfig:
     """TPU settings of a :class:`RunConfig`: steps per device call and number of cores."""
@@ -129,6 +186,180 @@ class RunConfig:
     log_step_count_steps: int = None
     tf_random_seed: int = None
     cluster: TPUClusterResolver = None
+
+
+class ExportSavedModelApiVersion(enum.Enum):
+    """TensorFlow's export API versions. Both export the same artifact here: V1 (TensorFlow
+    rewrites ``model_fn`` for the TPU) and V2 (``model_fn`` does it, when ``params["use_tpu"]``)
+    differ only in who places the computation, and keras-tpu places it either way."""
+
+    V1 = 1
+    V2 = 2
+
+
+@dataclasses.dataclass
+class WarmStartSettings:
+    """Which variables to initialise from another run's checkpoint (``tf.estimator.WarmStartSettings``).
+
+    Args:
+        ckpt_to_initialize_from: a model directory (its newest checkpoint is
+            used) or a checkpoint file (``.../ckpt-<step>.npz``).
+        vars_to_warm_start: a regular expression matched (``re.match``)
+            against the names of the *trainable* variables (default
+            ``".*"``: all of them), or a list of expressions matched against
+            all model variables (moving statistics included), or ``None``
+            (none).
+        var_name_to_prev_var_name: ``{name: name in the checkpoint}`` for
+            variables renamed since.
+        var_name_to_vocab_info: not supported (vocabulary remapping).
+    """
+
+    ckpt_to_initialize_from: str
+    vars_to_warm_start: object = ".*"
+    var_name_to_vocab_info: dict = None
+    var_name_to_prev_var_name: dict = None
+
+    def __post_init__(self):
+        if self.var_name_to_vocab_info:
+            raise ValueError("WarmStartSettings.var_name_to_vocab_info (vocabulary remapping) is not supported "
+                             "by keras_tpu; remap the embedding rows yourself and warm-start the other variables.")
+
+
+class SessionRunHook:
+    """Base class of hooks (TensorFlow's ``tf.estimator.SessionRunHook``); every method is optional."""
+
+    def begin(self):
+        pass
+
+    def after_create_session(self, session, coord):
+        pass
+
+    def before_run(self, run_context):
+        return None
+
+    def after_run(self, run_context, run_values):
+        pass
+
+    def end(self, session):
+        pass
+
+
+class CheckpointSaverListener:
+    """Base class of ``train``'s ``saving_listeners`` (TensorFlow's ``CheckpointSaverListener``)."""
+
+    def begin(self):
+        pass
+
+    def before_save(self, session, global_step_value):
+        pass
+
+    def after_save(self, session, global_step_value):
+        pass
+
+    def end(self, session, global_step_value):
+        pass
+
+
+class SessionRunContext:
+    """What a hook's ``before_run``/``after_run`` get: ``request_stop()`` ends the loop."""
+
+    def __init__(self, original_args=None, session=None):
+        self.original_args = original_args
+        self.session = session
+        self._stop_requested = False
+
+    def request_stop(self):
+        self._stop_requested = True
+
+    @property
+    def stop_requested(self):
+        return self._stop_requested
+
+
+SessionRunValues = collections.namedtuple("SessionRunValues", ["results", "options", "run_metadata"])
+
+
+class _Hooks:
+    """Calls the hooks' methods that exist, in order."""
+
+    def __init__(self, hooks, what="hooks"):
+        hooks = list(hooks or [])
+        for hook in hooks:
+            if isinstance(hook, (numbers.Number, str, bytes)):
+                raise TypeError(f"{what} must be a list of SessionRunHook objects; got {hook!r}.")
+        self.hooks = hooks
+
+    def __call__(self, method, *args):
+        return [getattr(hook, method)(*args) for hook in self.hooks if callable(getattr(hook, method, None))]
+
+
+class TPUContext:
+    """``params["context"]`` on the TPU: the replicas and hosts of this run (TensorFlow's ``TPUContext``).
+
+    Example:
+        >>> context = TPUContext(num_replicas=8, num_hosts=1, current_host=0, from_input_fn=True)
+        >>> context.num_replicas, context.num_of_replicas_per_host, context.current_input_fn_deployment()
+        (8, 8, ('/job:worker/task:0/device:CPU:0', 0, 1, 8))
+    """
+
+    def __init__(self, num_replicas, num_hosts, current_host, from_input_fn, job_name="worker"):
+        self._num_replicas = int(num_replicas)
+        self._num_hosts = int(num_hosts)
+        self._current_host = int(current_host)
+        self._from_input_fn = bool(from_input_fn)
+        self._job_name = job_name or "worker"
+
+    @property
+    def num_replicas(self):
+        """All replicas (cores) of the run."""
+        return self._num_replicas
+
+    num_cores = num_replicas
+
+    @property
+    def num_hosts(self):
+        return self._num_hosts
+
+    @property
+    def current_host(self):
+        """This host's (worker's) index."""
+        return self._current_host
+
+    @property
+    def num_of_replicas_per_host(self):
+        return self._num_replicas // self._num_hosts
+
+    @property
+    def device_assignment(self):
+        """``None``: no model parallelism (every core holds the whole model)."""
+        if self._from_input_fn:
+            raise RuntimeError("This TPUContext instance must not be called from input_fn.")
+        return None
+
+    def _host_device(self, host):
+        return f"/job:{self._job_name}/task:{host}/device:CPU:0"
+
+    def current_input_fn_deployment(self):
+        """``(host device, host index, input_fn calls in all, replicas fed per call)``:
+        ``input_fn`` runs once per host and feeds that host's cores."""
+        if not self._from_input_fn:
+            raise RuntimeError("This TPUContext instance must not be called from model_fn.")
+        return (self._host_device(self._current_host), self._current_host, self._num_hosts,
+                self.num_of_replicas_per_host)
+
+    def device_for_replica(self, replica_id):
+        """``(host device, core ordinal on that host)`` of replica ``replica_id``."""
+        if not 0 <= replica_id < self._num_replicas:
+            raise ValueError(f"replica_id must be in [0, {self._num_replicas}); got {replica_id}.")
+        per_host = self.num_of_replicas_per_host
+        return self._host_device(replica_id // per_host), replica_id % per_host
+
+    @property
+    def tpu_host_placement_function(self):
+        return lambda host_id=0: self._host_device(host_id)
+
+    def __repr__(self):
+        return f"TPUContext(num_replicas={self._num_replicas}, num_hosts={self._num_hosts})"
 
 
 class _GraphModel(keras.Model):
@@ -155,8 +386,15 @@ class _GraphModel(keras.Model):
         return y_pred["loss"] * self.loss_scale
 
 
+def _accepted_arguments(fn):
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+
+
 def _call_model_fn(model_fn, features, labels, mode, params, config):
-    accepted = inspect.signature(model_fn).parameters
+    accepted = _accepted_arguments(model_fn)
     kwargs = {name: value for name, value in (("mode", mode), ("params", params), ("config", config))
               if name in accepted}
     spec = model_fn(features, labels, **kwargs)
@@ -182,34 +420,199 @@ def _take(data, index):
     return tree.map_structure(lambda a: np.asarray(a)[index], data)
 
 
+def _base_name(name):
+    return re.sub(r"_\d+$", "", name)
+
+
+def variable_names(model):
+    """Names of ``model``'s variables (trainable, non-trainable, then its optimizer's), by path.
+
+    Keras numbers auto-named layers across the whole process (``dense_7``);
+    TensorFlow 1 named them within each fresh graph (``dense``, ``dense_1``).
+    The layers of each path are renamed that way, in order of first
+    appearance, so that each call of ``model_fn`` gives the same names.
+    Optimizer variables are ``<optimizer>/<variable path>/<slot>`` (or
+    ``<optimizer>/iteration``).
+    """
+    renamed, counts, used = {}, collections.Counter(), set()
+
+    def rename(component):
+        if component not in renamed:
+            base = _base_name(component)
+            while True:
+                n = counts[base]
+                counts[base] += 1
+                candidate = base if n == 0 else f"{base}_{n}"
+                if candidate not in used:
+                    break
+            used.add(candidate)
+            renamed[component] = candidate
+        return renamed[component]
+
+    names, flat = [], {}
+    for variable in list(model.trainable_variables) + list(model.non_trainable_variables):
+        *scopes, leaf = variable.path.split("/")
+        name = "/".join([rename(scope) for scope in scopes] + [leaf])
+        names.append(name)
+        flat[variable.path.replace("/", "_")] = name
+    optimizer = getattr(model, "optimizer", None)
+    for variable in (optimizer.variables if optimizer is not None else []):
+        head, _, rest = variable.path.partition("/")
+        reference = max((key for key in flat if rest.startswith(key + "_")), key=len, default=None)
+        if reference is not None:
+            rest = f"{flat[reference]}/{rest[len(reference) + 1:]}"
+        names.append(f"{_base_name(head)}/{rest}" if rest else _base_name(head))
+    return names
+
+
+_CHECKPOINT_FILE = re.compile(r"ckpt-(\d+)(\.npz)?$")
+
+
+def _read_checkpoint(path):
+    """``(step, arrays, header)`` of the checkpoint at ``path``: a model directory (its newest
+    checkpoint) or a checkpoint file; ``None`` if there is none."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return checkpoints.latest(path)
+    if not path.endswith(".npz") and os.path.exists(path + ".npz"):
+        path += ".npz"
+    if not os.path.isfile(path):
+        return None
+    header, arrays = checkpoints._read(path)
+    return header["step"], arrays, header
+
+
+def _checkpoint_names(header, count):
+    names = header.get("names")
+    return list(names) if names and len(names) == count else [f"variable_{i}" for i in range(count)]
+
+
+def _checkpoint_file(model_dir, step):
+    return os.path.join(model_dir, f"ckpt-{int(step):08d}.npz")
+
+
+def _warm_start_settings(value):
+    if value is None or isinstance(value, WarmStartSettings):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        return WarmStartSettings(os.fspath(value))
+    if hasattr(value, "ckpt_to_initialize_from"):  # TensorFlow's own WarmStartSettings
+        return WarmStartSettings(os.fspath(value.ckpt_to_initialize_from),
+                                 getattr(value, "vars_to_warm_start", ".*"),
+                                 getattr(value, "var_name_to_vocab_info", None),
+                                 getattr(value, "var_name_to_prev_var_name", None))
+    raise TypeError(f"warm_start_from must be a checkpoint path, a model directory or a WarmStartSettings; "
+                    f"got {type(value).__name__}.")
+
+
+def _warm_start_selection(pattern, names, trainable_count):
+    """Indices of the variables ``vars_to_warm_start`` selects (TensorFlow's rules)."""
+    if pattern is None:
+        return []
+    if isinstance(pattern, str):  # trainable variables only
+        return [i for i in range(trainable_count) if re.match(pattern, names[i])]
+    if isinstance(pattern, (list, tuple)) and all(isinstance(p, str) for p in pattern):
+        return [i for i, name in enumerate(names) if any(re.match(p, name) for p in pattern)]
+    raise TypeError(f"vars_to_warm_start must be a regular expression, a list of them or None; got {pattern!r}.")
+
+
+def _whole_arrays(data):
+    """``(features, labels)`` if ``input_fn`` returned whole arrays, else ``None`` (an iterable of batches)."""
+    if isinstance(data, (tuple, list)) and len(data) == 2 and not _is_iterable_source(data[0]):
+        return data[0], data[1]
+    if isinstance(data, (np.ndarray, dict)) or hasattr(data, "__array__"):
+        return data, None
+    return None
+
+
+def _timestamped_dir(export_dir_base):
+    stamp = int(time.time())
+    while os.path.exists(os.path.join(export_dir_base, str(stamp))):
+        stamp += 1
+    return os.path.join(export_dir_base, str(stamp))
+
+
+_RESERVED_PARAMS_KEYS = ("batch_size", "context")
+
+
 class TPUEstimator:
-    """Train, evaluate and predict a ``model_fn`` on the simulated TPU (TensorFlow 1's ``TPUEstimator``).
+    """Train, evaluate and predict a ``model_fn`` on the simulated TPU (TensorFlow 1.15's ``TPUEstimator``).
 
     Args:
-        model_fn: ``model_fn(features, labels, mode, params)`` returning a
+        model_fn: ``model_fn(features, labels, mode, params)`` (``mode``,
+            ``params`` and ``config`` optional) returning a
             :class:`TPUEstimatorSpec`.
-        model_dir: where checkpoints go (or ``config.model_dir``).
+        model_dir: where checkpoints go; ``config.model_dir`` if ``None`` (if
+            both are given they must agree); a new temporary directory if
+            neither is.
         config: a :class:`RunConfig`.
-        params: a dict passed to ``model_fn`` and ``input_fn``.
+        params: a dict passed (copied) to ``model_fn`` and ``input_fn``, with
+            ``batch_size``, ``use_tpu`` and ``context`` added (see the module
+            docstring); ``batch_size`` and ``context`` are reserved keys.
         use_tpu: False runs the same program on the CPU, float32, one core,
             with the same global batch.
-        train_batch_size, eval_batch_size, predict_batch_size: global batch sizes.
+        train_batch_size, eval_batch_size, predict_batch_size: global batch
+            sizes, multiples of the number of cores.
+        batch_axis: TensorFlow's batch axis of each input tensor. Only the
+            first axis is supported (``None`` or all zeros); move the batch
+            axis first in ``input_fn`` (``np.moveaxis``).
+        eval_on_tpu: False evaluates on the CPU in float32 (``model_fn`` sees
+            ``params["use_tpu"]`` False and the global ``batch_size``).
+        export_to_tpu: :meth:`export_saved_model` exports the TPU's numerics
+            (the MXU's bfloat16 matrix products; ``model_fn`` is called with
+            ``params["use_tpu"]`` True) when this and ``use_tpu`` are True,
+            and float32 CPU numerics (``params["use_tpu"]`` False) otherwise.
+        export_to_cpu: accepted: every export runs on the CPU
+            (:func:`keras_tpu.load_exported`). One of ``export_to_cpu`` and
+            ``export_to_tpu`` must be True.
+        warm_start_from: a model directory, a checkpoint file or a
+            :class:`WarmStartSettings`. Training that starts without a
+            checkpoint in ``model_dir`` (and ``predict`` without one) first
+            loads those variables from it, matched by name (global step 0).
+        embedding_config_spec: must be ``None``: TPU embedding tables are not
+            simulated; use ``keras.layers.Embedding`` in ``model_fn``.
+        export_saved_model_api_version: :class:`ExportSavedModelApiVersion`
+            ``V1`` (default) or ``V2``; both export the same artifact.
     """
 
-    def __init__(self, model_fn, model_dir=None, config=None, params=None, use_tpu=True, train_batch_size=None,
-                 eval_batch_size=None, predict_batch_size=None):
+    def __init__(self, model_fn=None, model_dir=None, config=None, params=None, use_tpu=True, train_batch_size=None,
+                 eval_batch_size=None, predict_batch_size=None, batch_axis=None, eval_on_tpu=True,
+                 export_to_tpu=True, export_to_cpu=True, warm_start_from=None, embedding_config_spec=None,
+                 export_saved_model_api_version=ExportSavedModelApiVersion.V1):
+        if not callable(model_fn):
+            raise ValueError(f"TPUEstimator needs a model_fn (a function returning a TPUEstimatorSpec); "
+                             f"got {model_fn!r}.")
+        if params is not None and any(key in params for key in _RESERVED_PARAMS_KEYS):
+            raise ValueError(f"{list(_RESERVED_PARAMS_KEYS)} are reserved keys but existed in params {params}.")
+        if embedding_config_spec is not None:
+            raise ValueError("TPUEstimator(embedding_config_spec=...): TPU embedding tables are not simulated by "
+                             "keras_tpu. Use keras.layers.Embedding in model_fn (it runs on the cores like any "
+                             "other layer) and pass embedding_config_spec=None.")
+        if batch_axis is not None and any(axis != 0 for axis in tree.flatten(batch_axis)):
+            raise ValueError(f"batch_axis={batch_axis!r}: keras_tpu splits every tensor over the cores along its "
+                             f"first axis. Move the batch axis first in input_fn (np.moveaxis) and pass "
+                             f"batch_axis=None.")
+        if not isinstance(export_saved_model_api_version, ExportSavedModelApiVersion):
+            raise ValueError(f"export_saved_model_api_version should be of type ExportSavedModelApiVersion; got "
+                             f"{export_saved_model_api_version!r}.")
         self.model_fn = model_fn
         self.config = config or RunConfig()
-        self.model_dir = model_dir or self.config.model_dir
-        if not self.model_dir:
-            raise ValueError("TPUEstimator needs a model_dir (argument or RunConfig) to keep its checkpoints.")
+        self.model_dir = self._resolve_model_dir(model_dir)
         self.params = dict(params or {})
         self.use_tpu = bool(use_tpu)
+        self.eval_on_tpu = bool(eval_on_tpu)
+        self.export_to_tpu = bool(export_to_tpu)
+        self.export_to_cpu = bool(export_to_cpu)
+        self.batch_axis = batch_axis
+        self.export_saved_model_api_version = export_saved_model_api_version
+        self.warm_start_from = _warm_start_settings(warm_start_from)
         tpu_config = self.config.tpu_config or TPUConfig()
         self.iterations_per_loop = int(tpu_config.iterations_per_loop)
+        self._topology, self._job_name, self._cpu_layout = None, "worker", None
         if self.use_tpu:
             resolver = self.config.cluster or TPUClusterResolver(self.config.master)
             topology = initialize_tpu_system(resolver)
+            self._topology, self._job_name = topology, resolver.job_name
             shards = tpu_config.num_shards or topology.num_cores
             self.layout = topology.layout if shards == topology.num_cores else \
                 CoreLayout(shards, devices=topology.layout.devices[:shards] if shards <= topology.layout.num_devices
@@ -219,11 +622,41 @@ class TPUEstimator:
         self.batch_sizes = {ModeKeys.TRAIN: train_batch_size, ModeKeys.EVAL: eval_batch_size,
                             ModeKeys.PREDICT: predict_batch_size or eval_batch_size}
         for mode, size in self.batch_sizes.items():
-            if size is not None and size % self.layout.num_cores:
-                raise ValueError(f"The {mode} batch size {size} must be a multiple of the {self.layout.num_cores} "
+            if size is not None and size % self._cores(mode):
+                raise ValueError(f"The {mode} batch size {size} must be a multiple of the {self._cores(mode)} "
                                  f"cores (TPUEstimator gives each core params['batch_size'] = global / cores).")
 
     # -- plumbing --------------------------------------------------------------------------
+
+    def _resolve_model_dir(self, model_dir):
+        configured = self.config.model_dir
+        if model_dir and configured and os.path.abspath(os.fspath(model_dir)) != os.path.abspath(os.fspath(configured)):
+            raise ValueError(f"model_dir are set both in constructor and RunConfig, but with different values. "
+                             f"In constructor: {model_dir}, in RunConfig: {configured}.")
+        model_dir = model_dir or configured
+        if not model_dir:
+            from keras_tpu import pod
+
+            if pod.is_multi_worker():
+                raise ValueError("A TPUEstimator in a pod needs a model_dir (argument or RunConfig) that every "
+                                 "worker can read: the chief writes the checkpoints there.")
+            model_dir = tempfile.mkdtemp(prefix="keras_tpu_estimator_")
+            logger.warning("Using temporary folder as model directory: %s", model_dir)
+        return os.fspath(model_dir)
+
+    def _on_tpu(self, mode):
+        """Whether ``mode`` runs on the TPU cores (else on the CPU, float32)."""
+        return self.use_tpu and (mode != ModeKeys.EVAL or self.eval_on_tpu)
+
+    def _layout(self, mode):
+        if self._on_tpu(mode) or not self.use_tpu:
+            return self.layout
+        if self._cpu_layout is None:  # eval_on_tpu=False: evaluation on one CPU core
+            self._cpu_layout = CoreLayout(1, devices=jax.local_devices()[:1])
+        return self._cpu_layout
+
+    def _cores(self, mode):
+        return self._layout(mode).num_cores
 
     def _global_batch(self, mode):
         size = self.batch_sizes[mode]
@@ -232,23 +665,68 @@ class TPUEstimator:
                              else "Pass predict_batch_size (or eval_batch_size) to TPUEstimator to predict.")
         return size
 
+    def _batch_size_param(self, mode):
+        """``params["batch_size"]``: per core on the TPU, the global batch on the CPU."""
+        return self._global_batch(mode) // self._cores(mode) if self._on_tpu(mode) else self._global_batch(mode)
+
+    def _context(self, mode, from_input_fn):
+        if not self._on_tpu(mode):
+            return None
+        cores = self._cores(mode)
+        hosts = self._topology.num_workers if self._topology is not None else 1
+        if cores % hosts:
+            hosts = 1
+        return TPUContext(cores, hosts, jax.process_index() if hosts > 1 else 0, from_input_fn, self._job_name)
+
+    def _input_params(self, mode):
+        params = dict(self.params, batch_size=self._batch_size_param(mode))
+        context = self._context(mode, from_input_fn=True)
+        if context is not None:
+            params["context"] = context
+        return params
+
+    def _model_params(self, mode, export=False):
+        params = dict(self.params)
+        if export:  # as TensorFlow: no batch size, use_tpu says which numerics the export gets
+            params["use_tpu"] = self._export_on_tpu()
+            return params
+        params["batch_size"] = self._batch_size_param(mode)
+        params["use_tpu"] = self._on_tpu(mode)
+        context = self._context(mode, from_input_fn=False)
+        if context is not None:
+            params["context"] = context
+        return params
+
     def _input(self, input_fn, mode):
-        global_batch = self._global_batch(mode)
-        params = dict(self.params, batch_size=global_batch // self.layout.num_cores if self.use_tpu else global_batch)
-        accepted = inspect.signature(input_fn).parameters
-        data = input_fn(params) if "params" in accepted or len(accepted) == 1 else input_fn()
+        params = self._input_params(mode)
+        accepted = _accepted_arguments(input_fn)
+        kwargs = {name: value for name, value in (("params", params), ("mode", mode), ("config", self.config))
+                  if name in accepted}
+        if kwargs:
+            data = input_fn(**kwargs)
+        elif len(accepted) == 1:
+            data = input_fn(params)
+        else:
+            data = input_fn()
         return data, params["batch_size"]
 
+    def _batch_count(self, data, mode):
+        """How many global batches evaluation or prediction gets from ``data`` (``None``: unknown)."""
+        arrays = _whole_arrays(data)
+        if arrays is not None:
+            return math.ceil(_rows(arrays[0]) / self._global_batch(mode))
+        if isinstance(data, keras.utils.PyDataset):
+            return math.ceil(len(data) / self._cores(mode))
+        return None
+
     def _batches(self, data, per_core_rows, mode):
-        """Global batches of ``(features, labels)`` from what ``input_fn`` returned."""
+        """Global batches of ``(features, labels)`` from what ``input_fn`` returned, made as they are taken."""
         global_batch = self._global_batch(mode)
-        if isinstance(data, (tuple, list)) and len(data) == 2 and not _is_iterable_source(data[0]):
-            features, labels = data
-        elif isinstance(data, (np.ndarray, dict)) or hasattr(data, "__array__"):
-            features, labels = data, None
-        else:
+        arrays = _whole_arrays(data)
+        if arrays is None:
             yield from self._batches_from_iterable(data, per_core_rows, mode)
             return
+        features, labels = arrays
         rows = _rows(features)
         if mode == ModeKeys.TRAIN:  # shuffled epochs, full batches only, as long as needed
             rng = np.random.default_rng(self.config.tf_random_seed)
@@ -262,7 +740,7 @@ class TPUEstimator:
                 yield _take(features, index), None if labels is None else _take(labels, index)
 
     def _batches_from_iterable(self, source, per_core_rows, mode):
-        cores = self.layout.num_cores if self.use_tpu else 1
+        cores = self._cores(mode)
         if isinstance(source, keras.utils.PyDataset):
             indices = itertools.cycle(range(len(source))) if mode == ModeKeys.TRAIN else range(len(source))
             iterator = (source[i] for i in indices)
@@ -280,10 +758,11 @@ class TPUEstimator:
             labels = None if parts[0][1] is None else np.concatenate([np.asarray(l) for _, l in parts])
             yield features, labels
 
-    def _build(self, mode, features, labels):
+    def _build(self, mode, features, labels, export=False):
         keras_features = _symbolic(features, "features")
         keras_labels = None if labels is None else _symbolic(labels, "labels")
-        spec = _call_model_fn(self.model_fn, keras_features, keras_labels, mode, self.params, self.config)
+        spec = _call_model_fn(self.model_fn, keras_features, keras_labels, mode, self._model_params(mode, export),
+                              self.config)
         inputs = [keras_features] if keras_labels is None else [keras_features, keras_labels]
         if mode == ModeKeys.TRAIN:
             if spec.loss is None or spec.train_op is None:
@@ -301,6 +780,9 @@ class TPUEstimator:
             if spec.predictions is None:
                 raise ValueError("In PREDICT mode model_fn must return a TPUEstimatorSpec with predictions.")
             outputs = spec.predictions if isinstance(spec.predictions, dict) else {"predictions": spec.predictions}
+        if spec.scaffold_fn is not None or spec.host_call is not None:
+            logger.warning("TPUEstimatorSpec scaffold_fn and host_call are not run by keras_tpu (no TensorFlow "
+                           "graph or summaries); use hooks for per-loop work.")
         graph = keras.Model(inputs=inputs, outputs=outputs, name=f"model_fn_{mode}")
         return graph, spec
 
@@ -311,9 +793,9 @@ class TPUEstimator:
             optimizer = spec.train_op
             if isinstance(optimizer, CrossShardOptimizer):
                 # Cores' gradients are averaged; summing them is averaging `cores` times the loss.
-                loss_scale = float(self.layout.num_cores) if optimizer.reduction == "sum" else 1.0
+                loss_scale = float(self._cores(mode)) if optimizer.reduction == "sum" else 1.0
                 optimizer = optimizer.optimizer
-            elif self.use_tpu:
+            elif self._on_tpu(mode):
                 raise ValueError("With use_tpu=True, train_op must be a CrossShardOptimizer(optimizer) so that the "
                                  "cores' gradients are combined.")
             if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -322,12 +804,25 @@ class TPUEstimator:
         model.compile(optimizer=optimizer if mode == ModeKeys.TRAIN else None, jit_compile=True)
         return model, spec
 
-    def _steps(self, model):
-        return ReplicatedSteps(model, self.layout, "default", on_mxu=self.use_tpu)
+    def _steps(self, model, mode):
+        return ReplicatedSteps(model, self._layout(mode), "default", on_mxu=self._on_tpu(mode))
 
-    def _restore(self, model, with_optimizer):
-        """Load the newest checkpoint into ``model``; return its global step (None if there is none)."""
-        found = checkpoints.latest(self.model_dir)
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def _checkpoint(self, checkpoint_path=None):
+        """``(step, arrays, header)`` of ``checkpoint_path`` (a checkpoint file or a directory), or of the
+        newest checkpoint in ``model_dir``; ``None`` if ``model_dir`` has none."""
+        if checkpoint_path is None:
+            return checkpoints.latest(self.model_dir)
+        found = _read_checkpoint(checkpoint_path)
+        if found is None:
+            raise ValueError(f"Could not find a checkpoint at {checkpoint_path}.")
+        return found
+
+    def _restore(self, model, with_optimizer, found=None):
+        """Load a checkpoint (default: the newest in ``model_dir``) into ``model``; return its global step
+        (None if there is none)."""
+        found = checkpoints.latest(self.model_dir) if found is None else found
         if found is None:
             return None
         step, arrays, header = found
@@ -346,50 +841,160 @@ class TPUEstimator:
             variable.assign(value)
         return step
 
+    def _warm_start(self, model):
+        """Initialise the variables ``warm_start_from`` selects from its checkpoint, matched by name."""
+        settings = self.warm_start_from
+        if settings is None:
+            return
+        source_path = settings.ckpt_to_initialize_from
+        found = _read_checkpoint(source_path)
+        if found is None:
+            raise ValueError(f"warm_start_from: no checkpoint at {source_path}.")
+        _, arrays, header = found
+        if not header.get("names"):
+            raise ValueError(f"warm_start_from: the checkpoint at {source_path} has no variable names (an older "
+                             f"keras_tpu wrote it); train it again, or copy it into model_dir to resume it.")
+        source = dict(zip(header["names"], arrays))
+        variables = list(model.trainable_variables) + list(model.non_trainable_variables)
+        names = variable_names(model)[:len(variables)]
+        selected = _warm_start_selection(settings.vars_to_warm_start, names, len(model.trainable_variables))
+        previous = {i: (settings.var_name_to_prev_var_name or {}).get(names[i], names[i]) for i in selected}
+        missing = [previous[i] for i in selected if previous[i] not in source]
+        if missing:
+            raise ValueError(f"warm_start_from: {missing} are not in the checkpoint at {source_path}, which holds "
+                             f"{sorted(source)}. Narrow vars_to_warm_start or map names with "
+                             f"var_name_to_prev_var_name.")
+        for i in selected:
+            value = source[previous[i]]
+            if tuple(value.shape) != tuple(variables[i].shape):
+                raise ValueError(f"warm_start_from: {names[i]} has shape {tuple(variables[i].shape)}, "
+                                 f"{previous[i]} in {source_path} has {value.shape}.")
+            variables[i].assign(value)
+        logger.info("Warm-started %d variable(s) from %s.", len(selected), source_path)
+
     def _save(self, model, step):
         model_variables = list(model.trainable_variables) + list(model.non_trainable_variables)
         arrays = [np.asarray(v.value) for v in model_variables + list(model.optimizer.variables)]
-        path = checkpoints.save(self.model_dir, step, arrays, {"model_variables": len(model_variables)},
-                                keep=self.config.keep_checkpoint_max)
+        metadata = {"model_variables": len(model_variables), "names": variable_names(model)}
+        path = checkpoints.save(self.model_dir, step, arrays, metadata, keep=self.config.keep_checkpoint_max)
         logger.info("Saving checkpoints for %d into %s.", step, path)
 
-    def export_saved_model(self, export_dir_base, serving_input_receiver_fn):
-        """Export the PREDICT graph with the latest checkpoint's weights (see :mod:`keras_tpu.export`).
+    def _save_with_listeners(self, model, state, step, listeners):
+        """Write checkpoint ``step``; return whether a listener's ``after_save`` asked to stop."""
+        self._assign(model, state)
+        listeners("before_save", None, step)
+        self._save(model, step)
+        if any(listeners("after_save", None, step)):
+            logger.info("A CheckpointSaverListener requested that training be stopped.")
+            return True
+        return False
+
+    def _latest_step(self):
+        found = checkpoints.latest(self.model_dir)
+        return None if found is None else found[0]
+
+    def latest_checkpoint(self):
+        """The path of the newest checkpoint in ``model_dir`` (``.../ckpt-<step>.npz``), or ``None``."""
+        step = self._latest_step()
+        return None if step is None else _checkpoint_file(self.model_dir, step)
+
+    def _checkpoint_or_raise(self):
+        found = checkpoints.latest(self.model_dir)
+        if found is None:
+            raise ValueError(f"Could not find trained model in model_dir: {self.model_dir}.")
+        return found
+
+    def get_variable_names(self):
+        """The names (paths) of the variables in the newest checkpoint, sorted, ``"global_step"`` included."""
+        _, arrays, header = self._checkpoint_or_raise()
+        return sorted(["global_step"] + _checkpoint_names(header, len(arrays)))
+
+    def get_variable_value(self, name):
+        """The value (a NumPy array) of variable ``name`` in the newest checkpoint."""
+        step, arrays, header = self._checkpoint_or_raise()
+        if name == "global_step":
+            return np.int64(step)
+        names = _checkpoint_names(header, len(arrays))
+        if name not in names:
+            raise ValueError(f"Variable {name!r} is not in the checkpoint of step {step} in {self.model_dir}; "
+                             f"get_variable_names() lists its variables.")
+        return arrays[names.index(name)]
+
+    # -- export ----------------------------------------------------------------------------
+
+    def _export_on_tpu(self):
+        return self.use_tpu and self.export_to_tpu
+
+    def export_saved_model(self, export_dir_base, serving_input_receiver_fn, assets_extra=None, as_text=False,
+                           checkpoint_path=None, experimental_mode=ModeKeys.PREDICT):
+        """Export the PREDICT graph with a checkpoint's weights (see :mod:`keras_tpu.export`).
 
         ``serving_input_receiver_fn()`` returns example features (an array or a
-        dict of arrays, any batch size) giving the inputs' shapes and dtypes.
-        Writes ``export_dir_base/<timestamp>`` and returns that path.
+        dict of arrays, any batch size; or an object with a ``features``
+        attribute, like TensorFlow's ``ServingInputReceiver``) giving the
+        inputs' shapes and dtypes. Writes ``export_dir_base/<timestamp>`` and
+        returns that path. ``checkpoint_path``: a checkpoint file or model
+        directory (default: the newest checkpoint in ``model_dir``).
+        ``assets_extra`` (``{destination: source file}``) is copied into the
+        export's ``assets.extra`` directory. ``as_text`` is accepted (there
+        is no protocol buffer to write). Only ``experimental_mode=PREDICT``.
         """
         from keras_tpu import pod
         from keras_tpu.export import export_model
 
-        features = serving_input_receiver_fn()
-        graph, _ = self._build(ModeKeys.PREDICT, features, None)
-        model = _GraphModel(graph, per_example=False)
-        if self._restore(model, with_optimizer=False) is None:
+        if not serving_input_receiver_fn:
+            raise ValueError("An input_receiver_fn must be defined.")
+        if experimental_mode != ModeKeys.PREDICT:
+            raise ValueError(f"keras_tpu exports the PREDICT graph only; got experimental_mode={experimental_mode!r}. "
+                             f"Train and evaluate with the estimator itself.")
+        if not (self.export_to_cpu or self.export_to_tpu):
+            raise ValueError("One of export_to_cpu and export_to_tpu must be true.")
+        found = self._checkpoint(checkpoint_path)
+        if found is None:
             raise ValueError(f"Could not find a trained model in {self.model_dir}: train first.")
-        path = os.path.join(export_dir_base, str(int(time.time())))
+        receiver = serving_input_receiver_fn()
+        features = getattr(receiver, "features", receiver)
+        graph, _ = self._build(ModeKeys.PREDICT, features, None, export=True)
+        self._restore(_GraphModel(graph, per_example=False), with_optimizer=False, found=found)
+        path = _timestamped_dir(export_dir_base)
         if pod.is_chief():
-            export_model(graph, path, "default" if self.use_tpu else "highest")
+            export_model(graph, path, "default" if self._export_on_tpu() else "highest")
+            for destination, source in (assets_extra or {}).items():
+                target = os.path.join(path, "assets.extra", destination)
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                shutil.copyfile(source, target)
         return path
 
-    def latest_checkpoint(self):
-        """The global step of the newest checkpoint in ``model_dir``, or ``None``."""
-        found = checkpoints.latest(self.model_dir)
-        return None if found is None else found[0]
+    def export_savedmodel(self, export_dir_base, serving_input_receiver_fn, assets_extra=None, as_text=False,
+                          checkpoint_path=None, strip_default_attrs=False):
+        """TensorFlow 1's name (and arguments) of :meth:`export_saved_model`; ``strip_default_attrs`` is
+        accepted (there are no graph attributes to strip)."""
+        return self.export_saved_model(export_dir_base, serving_input_receiver_fn, assets_extra=assets_extra,
+                                       as_text=as_text, checkpoint_path=checkpoint_path)
 
     # -- the three modes -------------------------------------------------------------------
 
-    def train(self, input_fn, steps=None, max_steps=None):
-        """Train for ``steps`` more steps or up to ``max_steps``, resuming from ``model_dir``.
+    def train(self, input_fn, hooks=None, steps=None, max_steps=None, saving_listeners=None):
+        """Train for ``steps`` more steps or up to global step ``max_steps``, resuming from ``model_dir``.
 
-        Runs ``iterations_per_loop`` steps per device call, logs the loss and
-        global step after each, and writes checkpoints to ``model_dir``.
-        Returns the estimator.
+        The arguments are TensorFlow's, in its order. With neither ``steps``
+        nor ``max_steps``, training runs until an iterable ``input_fn`` ends
+        (whole arrays repeat forever, so they need one of them). Runs
+        ``iterations_per_loop`` steps per device call (fewer for the last),
+        logs the loss and global step after each, calls ``hooks`` once per
+        device call, and writes checkpoints to ``model_dir``, with
+        ``saving_listeners`` around each. Returns the estimator.
         """
-        if (steps is None) == (max_steps is None):
-            raise ValueError("Pass exactly one of steps or max_steps.")
-        saved_step = self.latest_checkpoint()
+        if isinstance(hooks, numbers.Number):
+            raise TypeError("TPUEstimator.train(input_fn, hooks, steps, max_steps, saving_listeners) takes hooks "
+                            "second, as TensorFlow's does: pass steps=... or max_steps=... by keyword.")
+        if steps is not None and max_steps is not None:
+            raise ValueError("Can not provide both steps and max_steps.")
+        for name, value in (("steps", steps), ("max_steps", max_steps)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0):
+                raise ValueError(f"Must specify {name} > 0, given: {value}")
+        user_hooks, listeners = _Hooks(hooks), _Hooks(saving_listeners, "saving_listeners")
+        saved_step = self._latest_step()
         if max_steps is not None and saved_step is not None and saved_step >= max_steps:
             logger.info("Skipping training: the checkpoint in %s is at step %d, max_steps is %d.",
                         self.model_dir, saved_step, max_steps)
@@ -397,33 +1002,57 @@ class TPUEstimator:
         if self.config.tf_random_seed is not None:
             keras.utils.set_random_seed(self.config.tf_random_seed)
         data, per_core_rows = self._input(input_fn, ModeKeys.TRAIN)
+        if steps is None and max_steps is None and _whole_arrays(data) is not None:
+            raise ValueError("input_fn returned whole arrays, which training repeats (shuffled) for as long as it "
+                             "runs: pass steps or max_steps, or return an iterable of batches to train until it ends.")
         batches = self._batches(data, per_core_rows, ModeKeys.TRAIN)
-        first = next(batches)
-        model, _ = self._graph_model(ModeKeys.TRAIN, *first)
-        global_step = self._restore(model, with_optimizer=True) or 0
-        if global_step:
+        first = next(batches, None)
+        if first is None:
+            raise ValueError("input_fn gave no data to train.")
+        model, spec = self._graph_model(ModeKeys.TRAIN, *first)
+        global_step = self._restore(model, with_optimizer=True)
+        if global_step is not None:
             logger.info("Restored the checkpoint of step %d from %s.", global_step, self.model_dir)
-        target = global_step + steps if steps is not None else max_steps
+        else:
+            global_step = 0
+            self._warm_start(model)
+        target = global_step + steps if steps is not None else max_steps  # None: until the input ends
+        hooks = _Hooks(user_hooks.hooks + list(spec.training_hooks or []))
         batches = itertools.chain([first], batches)
         model.optimizer.build(model.trainable_variables)
         model.optimizer.iterations.assign(global_step)
-        train_function = self._steps(model).train_function(self.iterations_per_loop)
+        loop_size = self.iterations_per_loop if target is None else min(self.iterations_per_loop, target - global_step)
+        train_function = self._steps(model, ModeKeys.TRAIN).train_function(loop_size)
         state = tuple([v.value for v in vs] for vs in (model.trainable_variables, model.non_trainable_variables,
                                                         model.optimizer.variables, model.metrics_variables))
         save_every = self.config.save_checkpoints_steps or max(self.iterations_per_loop, 100)
-        last_saved, started = global_step, time.perf_counter()
-        while global_step < target:
-            loop_steps = min(self.iterations_per_loop, target - global_step)
-            loop = ((list(batch), None, None) for batch in itertools.islice(batches, loop_steps))
+        hooks("begin")
+        listeners("begin")
+        hooks("after_create_session", None, None)
+        last_saved, stop, started = global_step, False, time.perf_counter()
+        while not stop and (target is None or global_step < target):
+            wanted = loop_size if target is None else min(loop_size, target - global_step)
+            loop = list(itertools.islice(batches, wanted))  # no more than this device call runs
+            if not loop:
+                break  # the input ended
+            run_context = SessionRunContext()
+            hooks("before_run", run_context)
             metrics = [jnp.zeros_like(v) for v in state[3]]  # the loss logged is this loop's mean
-            logs, state = train_function(state[:3] + (metrics,), loop)
-            global_step += loop_steps
-            elapsed, started = time.perf_counter() - started, time.perf_counter()
-            logger.info("loss = %.6f, step = %d (%.3f sec)", float(logs["loss"]), global_step, elapsed)
-            if global_step - last_saved >= save_every or global_step >= target:
-                self._assign(model, state)
-                self._save(model, global_step)
+            logs, state = train_function(state[:3] + (metrics,), iter([(list(b), None, None) for b in loop]))
+            global_step += len(loop)
+            loss = float(logs["loss"])  # waits for the device: the time below includes the device work
+            now = time.perf_counter()
+            logger.info("loss = %.6f, step = %d (%.3f sec)", loss, global_step, now - started)
+            started = now
+            hooks("after_run", run_context, SessionRunValues({"loss": loss, "global_step": global_step}, None, None))
+            stop = run_context.stop_requested
+            if global_step - last_saved >= save_every:
+                stop = self._save_with_listeners(model, state, global_step, listeners) or stop
                 last_saved = global_step
+        if global_step != last_saved:
+            self._save_with_listeners(model, state, global_step, listeners)
+        listeners("end", None, global_step)
+        hooks("end", None)
         return self
 
     @staticmethod
@@ -433,38 +1062,75 @@ class TPUEstimator:
             for variable, value in zip(variables, values):
                 variable.assign(np.asarray(value))
 
-    def _run_per_example(self, mode, input_fn, steps):
+    def _inference(self, mode, input_fn, steps, found, hooks):
+        """Evaluation or prediction, one device call at a time.
+
+        Yields ``(spec, global_step)`` first, then for each device call (at
+        most ``iterations_per_loop`` global batches, and no more than
+        ``steps`` in all) the list of its batches' outputs, one dict of
+        arrays per batch, padding removed. Takes batches from the input only
+        as they are run.
+        """
         data, per_core_rows = self._input(input_fn, mode)
+        count = self._batch_count(data, mode)
         batches = self._batches(data, per_core_rows, mode)
         if steps is not None:
             batches = itertools.islice(batches, steps)
+            count = steps if count is None else min(count, steps)
         first = next(batches, None)
         if first is None:
             raise ValueError(f"input_fn gave no data to {mode}.")
         model, spec = self._graph_model(mode, first[0], first[1] if mode == ModeKeys.EVAL else None)
-        global_step = self._restore(model, with_optimizer=False)
-        if global_step is None:
-            raise ValueError(f"Could not find a trained model in {self.model_dir}: train first.")
-        predict_function = self._steps(model).predict_function(self.iterations_per_loop)
+        if found is not None:
+            global_step = self._restore(model, with_optimizer=False, found=found)
+        else:
+            global_step = None
+            self._warm_start(model)
+        loop_size = min(self.iterations_per_loop, count) if count else self.iterations_per_loop
+        predict_function = self._steps(model, mode).predict_function(loop_size)
         state = ([v.value for v in model.trainable_variables], [v.value for v in model.non_trainable_variables])
-        inputs = (((f, l) if mode == ModeKeys.EVAL else (f,)) for f, l in itertools.chain([first], batches))
-        feed = ((list(x), None, None) for x in inputs)
-        outputs = []
+        spec_hooks = spec.evaluation_hooks if mode == ModeKeys.EVAL else spec.prediction_hooks
+        hooks = _Hooks(_Hooks(hooks).hooks + list(spec_hooks or []))
+        hooks("begin")
+        hooks("after_create_session", None, None)
+        yield spec, global_step
+        batches = itertools.chain([first], batches)
         while True:
-            try:
-                result, state = predict_function(state, feed)
-            except StopIteration:
+            loop = list(itertools.islice(batches, loop_size))
+            if not loop:
                 break
-            outputs.append(result)
-        merged = {key: np.concatenate([np.asarray(o[key]) for o in outputs]) for key in outputs[0]}
-        return merged, spec, global_step
+            run_context = SessionRunContext()
+            hooks("before_run", run_context)
+            feed = iter([(list((f, l) if mode == ModeKeys.EVAL else (f,)), None, None) for f, l in loop])
+            outputs, state = predict_function(state, feed)
+            outputs = {key: np.asarray(value) for key, value in outputs.items()}
+            bounds = np.cumsum([_rows(f) for f, _ in loop])[:-1]
+            split = {key: np.split(value, bounds) for key, value in outputs.items()}
+            yield [{key: split[key][i] for key in split} for i in range(len(loop))]
+            hooks("after_run", run_context, SessionRunValues({"global_step": global_step}, None, None))
+            if run_context.stop_requested:
+                break
+        hooks("end", None)
 
-    def evaluate(self, input_fn, steps=None):
-        """Evaluate the latest checkpoint on ``steps`` global batches (all of the data if None).
+    def evaluate(self, input_fn, steps=None, hooks=None, checkpoint_path=None, name=None):
+        """Evaluate a checkpoint on ``steps`` global batches (all of the data if None).
 
-        Returns ``{"loss": ..., <metrics>..., "global_step": ...}``.
+        ``checkpoint_path``: a checkpoint file or model directory (default:
+        the newest checkpoint in ``model_dir``). ``name`` names the
+        evaluation (e.g. ``"training_data"``): its results are kept in
+        ``model_dir/eval_<name>/results.json`` (``model_dir/eval`` without a
+        name), by global step. Returns ``{"loss": ..., <metrics>...,
+        "global_step": ...}``.
         """
-        outputs, spec, global_step = self._run_per_example(ModeKeys.EVAL, input_fn, steps)
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps <= 0):
+            raise ValueError(f"Must specify steps > 0, given: {steps}")
+        found = self._checkpoint(checkpoint_path)
+        if found is None:
+            raise ValueError(f"Could not find trained model in model_dir: {self.model_dir} (train first).")
+        loops = self._inference(ModeKeys.EVAL, input_fn, steps, found, hooks)
+        spec, global_step = next(loops)
+        batches = [batch for loop in loops for batch in loop]
+        outputs = {key: np.concatenate([batch[key] for batch in batches]) for key in batches[0]}
         results = {"loss": float(np.mean(outputs["loss"]))}
         if spec.eval_metrics is not None:
             metric_fn, tensors = spec.eval_metrics
@@ -472,19 +1138,80 @@ class TPUEstimator:
                 values = metric_fn(**{key: outputs[f"metric/{key}"] for key in tensors})
             else:
                 values = metric_fn(*[outputs[f"metric/{i}"] for i in range(len(tensors))])
-            for name, value in values.items():
+            for metric, value in values.items():
                 value = value.result() if isinstance(value, keras.metrics.Metric) else value
-                results[name] = float(np.asarray(value))
+                results[metric] = float(np.asarray(value))
         results["global_step"] = global_step
         logger.info("Saving dict for global step %d: %s", global_step,
                     ", ".join(f"{k} = {v:.6g}" for k, v in results.items()))
+        self._keep_eval_results(name, results)
         return results
 
-    def predict(self, input_fn):
-        """Yield one dict of predictions per example (padding removed, the partial last batch included)."""
-        outputs, _, _ = self._run_per_example(ModeKeys.PREDICT, input_fn, None)
-        for i in range(len(next(iter(outputs.values())))):
-            yield {key: value[i] for key, value in outputs.items()}
+    def eval_dir(self, name=None):
+        """Where the results of evaluation ``name`` are kept (TensorFlow's ``Estimator.eval_dir``)."""
+        return os.path.join(self.model_dir, "eval" if not name else f"eval_{name}")
+
+    def _keep_eval_results(self, name, results):
+        from keras_tpu import _files
+
+        path = os.path.join(self.eval_dir(name), "results.json")
+        try:
+            with open(path) as f:
+                kept = json.load(f)
+        except (OSError, ValueError):
+            kept = {}
+        kept[str(results["global_step"])] = results
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _files.write_file(path, lambda f: json.dump(kept, f, indent=1), "w")
+
+    def predict(self, input_fn, predict_keys=None, hooks=None, checkpoint_path=None, yield_single_examples=True):
+        """Yield predictions as each device call completes (a lazy generator, as TensorFlow's).
+
+        One dict per example (padding removed, the partial last batch
+        included), or with ``yield_single_examples=False`` one dict of batch
+        arrays per global batch; non-dict ``predictions`` yield arrays.
+        ``predict_keys`` (a key or list of keys) keeps only those predictions.
+        ``checkpoint_path``: a checkpoint file or model directory (default:
+        the newest checkpoint in ``model_dir``; with none, the model predicts
+        from its initial or warm-started weights, as TensorFlow does). Endless
+        inputs work: at most ``iterations_per_loop`` global batches are taken
+        ahead of what has been yielded.
+        """
+        found = self._checkpoint(checkpoint_path)
+        if found is None:
+            logger.info("Could not find trained model in model_dir: %s, running initialization to predict.",
+                        self.model_dir)
+        loops = self._inference(ModeKeys.PREDICT, input_fn, None, found, hooks)
+        spec, _ = next(loops)
+        single = not isinstance(spec.predictions, dict)
+        if predict_keys:
+            if single:
+                raise ValueError("predict_keys argument is not valid in case of non-dict predictions.")
+            keys = [predict_keys] if isinstance(predict_keys, str) else list(predict_keys)
+            if not set(keys) & set(spec.predictions):
+                raise ValueError(f"Expected to run at least one output from {list(spec.predictions)}, provided "
+                                 f"{keys}.")
+            keys = [key for key in spec.predictions if key in keys]
+        for loop in loops:
+            for batch in loop:
+                if single:
+                    value = batch["predictions"]
+                    if yield_single_examples:
+                        yield from value
+                    else:
+                        yield value
+                    continue
+                if predict_keys:
+                    batch = {key: batch[key] for key in keys}
+                if not yield_single_examples:
+                    yield batch
+                    continue
+                lengths = {len(value) for value in batch.values()}
+                if len(lengths) != 1:
+                    raise ValueError(f"Batch length of predictions should be same. Lengths: "
+                                     f"{ {key: len(value) for key, value in batch.items()} }.")
+                for i in range(lengths.pop()):
+                    yield {key: value[i] for key, value in batch.items()}
 
 
 def _is_iterable_source(value):

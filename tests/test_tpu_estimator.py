@@ -88,7 +88,7 @@ def test_iterables_of_per_core_batches(tmp_path):
     estimator = make(tmp_path, iterations=3)
     estimator.train(per_core_batches, steps=6)
     assert len(taken) == 6 * 8  # one batch per core per step
-    assert estimator.latest_checkpoint() == 6
+    assert estimator.latest_checkpoint() == str(tmp_path / "ckpt-00000006.npz")  # a path, as in TF
 
     class EvalBatches(keras.utils.PyDataset):
         def __len__(self):
@@ -139,7 +139,9 @@ def test_cross_shard_reductions_and_errors(tmp_path):
         make(tmp_path / "empty").evaluate(lambda params: mnist("test", 64))
     with pytest.raises(ValueError, match="multiple of the 8 cores"):
         make(tmp_path / "odd", batch=100)
-    with pytest.raises(ValueError, match="exactly one"):
+    with pytest.raises(ValueError, match="both steps and max_steps"):
+        make(tmp_path / "x").train(lambda params: mnist("train", 64), steps=1, max_steps=1)
+    with pytest.raises(ValueError, match="pass steps or max_steps"):  # whole arrays repeat forever
         make(tmp_path / "x").train(lambda params: mnist("train", 64))
 
 
