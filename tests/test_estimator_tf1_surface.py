@@ -164,9 +164,9 @@ def test_on_the_cpu_params_hold_the_global_batch_and_eval_on_tpu_false_evaluates
     (mode, params), = seen
     assert mode == ModeKeys.EVAL and params["use_tpu"] is False and params["batch_size"] == 64
     assert "context" not in params
-    assert mixed == pytest.approx(cpu_eval, rel=1e-6)  # float32 on the CPU, not the MXU's bfloat16
-    on_tpu = make(tmp_path).evaluate(lambda params: mnist("test", 256))
-    assert on_tpu["loss"] != mixed["loss"] and on_tpu["loss"] == pytest.approx(mixed["loss"], rel=0.02)
+    # float32 on the CPU: the MXU's bfloat16 products would differ far more than this
+    # (tests/test_tpu_estimator.py::test_cpu_and_tpu_runs_agree_within_bf16_tolerance).
+    assert mixed == pytest.approx(cpu_eval, rel=1e-6)
 
 
 # -- export --------------------------------------------------------------------------------------
