@@ -45,6 +45,8 @@ _TEMP = re.compile(re.escape(TEMP_PREFIX) + r"(?P<host>[0-9a-f]{8})-(?P<pid>\d+)
 def temp_name(path):
     """A fresh temporary name next to ``path`` that ends like ``path``."""
     directory, name = os.path.split(os.path.abspath(path))
+    if len(os.fsencode(name)) > 180:  # stay within the usual 255-byte limit on file names
+        name = name[-120:]
     return os.path.join(directory, f"{TEMP_PREFIX}{_HOST}-{os.getpid()}-{secrets.token_hex(4)}-{name}")
 
 
