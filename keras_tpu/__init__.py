@@ -22,7 +22,7 @@ from keras_tpu.cluster import (ACCELERATOR_TYPES, AcceleratorSpec, ClusterSpec, 
                                initialize_tpu_system)
 from keras_tpu.cores import CoreLayout  # noqa: E402
 from keras_tpu import datasets  # noqa: E402
-from keras_tpu.tpu_model import KerasTPUModel, TPUDistributionStrategy, keras_to_tpu_model, tpu_model  # noqa: E402
+from keras_tpu.tpu_model import KerasTPUModel, TPUDistributionStrategy, keras_to_tpu_model  # noqa: E402
 from keras_tpu.strategy import PerReplica, ReduceOp, TPUStrategy  # noqa: E402
 from keras_tpu import estimator  # noqa: E402
 from keras_tpu import callbacks  # noqa: E402
@@ -36,5 +36,5 @@ __all__ = [
     "ACCELERATOR_TYPES", "AcceleratorSpec", "ClusterSpec", "CoreLayout", "KerasTPUModel", "PerReplica", "ReduceOp",
     "TPUClusterResolver", "TPUDistributionStrategy", "TPUStrategy", "Topology", "datasets", "estimator",
     "experimental_connect_to_cluster", "initialize_tpu_system", "keras_to_tpu_model", "mxu", "set_verbosity",
-    "tpu_model", "TPUProfile", "callbacks", "profile", "load_exported", "WorkerLostError",
+    "TPUProfile", "callbacks", "profile", "load_exported", "WorkerLostError",
 ]

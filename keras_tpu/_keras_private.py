@@ -90,8 +90,9 @@ def _update_compiled_metrics(compiled, y, y_pred, row_mask, sample_weight):
         compiled.build(y, y_pred)
     flat_y, flat_pred = compiled._flatten_y(y), compiled._flatten_y(y_pred)
     for metric, y_t, y_p in zip(compiled._flat_metrics, flat_y, flat_pred):
-        if metric:
-            metric.update_state(y_t, y_p, sample_weight=row_mask)
+        if metric:  # the row mask, shaped like the metric's per-element values (per time step, say)
+            rank = max(1, len(y_p.shape) - 1)
+            metric.update_state(y_t, y_p, sample_weight=row_mask.reshape(row_mask.shape + (1,) * (rank - 1)))
     weights = compiled._flatten_y(sample_weight)
     if len(weights) < len(flat_y):
         weights = [weights[0]] * len(flat_y)

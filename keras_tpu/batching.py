@@ -8,7 +8,9 @@ gradients, metrics and predictions. The last, partial batch of an epoch
 therefore reuses the same compiled program.
 
 Several steps per device call (``steps_per_execution``) are stacked along
-axis 1, so that axis 0 is always the rows that are split over the cores.
+axis 1, so that axis 0 is always the rows that are split over the cores. Only
+the batches there are get stacked: a call with fewer batches left runs a
+program of fewer steps, so steps without data cost nothing.
 """
 
 import dataclasses
@@ -40,16 +42,15 @@ def _rows(data):
 
 @dataclasses.dataclass
 class StackedBatches:
-    """Up to ``steps`` batches, padded and stacked as ``(global_batch, steps, ...)`` arrays."""
+    """Batches padded and stacked as ``(global_batch, steps, ...)`` arrays."""
 
     data: object            # the batches' (x, y, sample_weight) structure of stacked arrays
     mask: np.ndarray        # float32 (global_batch, steps): 1 for real rows
     real_rows: np.ndarray   # int32 (steps,): real rows of each step
-    active: np.ndarray      # bool (steps,): False for steps beyond the available batches
 
     @property
-    def steps_used(self):
-        return int(self.active.sum())
+    def steps(self):
+        return int(self.mask.shape[1])
 
 
 class BatchStacker:
@@ -62,8 +63,8 @@ class BatchStacker:
     Example:
         >>> stacker = BatchStacker(num_cores=8, steps=2)
         >>> stacked = stacker.stack([(np.ones((5, 3)), np.ones((5, 1)), None)])
-        >>> stacked.mask.shape, stacked.real_rows.tolist(), stacked.active.tolist()
-        ((8, 2), [5, 0], [True, False])
+        >>> stacked.mask.shape, stacked.real_rows.tolist()
+        ((8, 1), [5])
     """
 
     def __init__(self, num_cores, steps):
@@ -77,13 +78,13 @@ class BatchStacker:
         structure = tree.map_structure(lambda leaf: None, batches[0])
         rows = [_rows(batch) for batch in batches]
         self.global_batch = max(self.global_batch, pad_to_global_batch(max(rows), self.num_cores))
-        padded = self.global_batch
+        padded, steps = self.global_batch, len(batches)
 
         def stack_leaf(*leaves):
             if leaves[0] is None:
                 return None
             first = np.asarray(leaves[0])
-            out = np.zeros((padded, self.steps) + first.shape[1:], dtype=first.dtype)
+            out = np.zeros((padded, steps) + first.shape[1:], dtype=first.dtype)
             for step, leaf in enumerate(leaves):
                 out[:len(leaf), step] = np.asarray(leaf)
             return out
@@ -93,19 +94,15 @@ class BatchStacker:
                 raise ValueError("All batches of a program must have the same structure "
                                  "(inputs, targets and sample weights).")
         data = tree.map_structure(stack_leaf, *batches)
-        mask = np.zeros((padded, self.steps), dtype=np.float32)
+        mask = np.zeros((padded, steps), dtype=np.float32)
         for step, count in enumerate(rows):
             mask[:count, step] = 1.0
-        real_rows = np.zeros((self.steps,), dtype=np.int32)
-        real_rows[:len(rows)] = rows
-        active = np.arange(self.steps) < len(rows)
-        return StackedBatches(data, mask, real_rows, active)
+        return StackedBatches(data, mask, np.asarray(rows, dtype=np.int32))
 
 
 def unstack_outputs(outputs, stacked):
     """Predictions of stacked steps back to one array per output, real rows only, in order."""
     def unstack(leaf):
         leaf = np.asarray(leaf)
-        return np.concatenate([leaf[:count, step] for step, count in enumerate(stacked.real_rows)
-                               if stacked.active[step]])
+        return np.concatenate([leaf[:count, step] for step, count in enumerate(stacked.real_rows)])
     return tree.map_structure(unstack, outputs)

@@ -4,6 +4,8 @@ import time
 
 import keras
 
+from keras_tpu.profile import profile
+
 
 class PredictedTPUTime(keras.callbacks.Callback):
     """Log, after each epoch, the simulated run's time beside the MXU time a real TPU would need.
@@ -30,20 +32,8 @@ class PredictedTPUTime(keras.callbacks.Callback):
         self._steps = batch + 1
 
     def on_epoch_end(self, epoch, logs=None):
-        from keras_tpu.profile import profile
-        from keras_tpu.tpu_model import KerasTPUModel
-
         elapsed = time.perf_counter() - self._started
-        model = self.model
-        if isinstance(model, KerasTPUModel):
-            report = model.profile(accelerator_type=self.accelerator_type, dataset_size=None)
-        else:
-            steps = model.__dict__.get("_keras_tpu_steps")
-            layout = steps.layout if steps else None
-            program = steps.last_programs.get("train") if steps else None
-            report = profile(model, batch_size=program.stacker.global_batch if program else None,
-                             accelerator_type=self.accelerator_type or "v2-8",
-                             num_cores=layout.num_cores if layout else None, advise=False)
+        report = profile(self.model, accelerator_type=self.accelerator_type, advise=False)
         predicted = self._steps * report.step_time("train")
         self.predicted.append(predicted)
         self.print_fn(f"Epoch {epoch + 1}: {elapsed:.1f} s simulated on this CPU; predicted MXU time on a TPU "

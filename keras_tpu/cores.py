@@ -1,91 +1,214 @@
 """The eight-core layout: where the simulated TPU cores live and how they talk.
 
-Each core runs the same per-core program on its own slice of the global batch
-(TPU replication). Cores are JAX devices arranged in a one-axis mesh; when JAX
-has fewer devices than cores, each device holds several cores, vectorised
-with ``jax.vmap``. Cross-core collectives (sum, mean, gather) work the same in
-both arrangements, in core order, so results do not depend on it.
+Each core runs the same program on its own slice of the global batch (TPU
+replication). How the cores are laid onto this host is a simulation choice,
+not part of what is simulated:
+
+* **One process (the default): every core on one JAX device.** A TPU needs
+  eight copies of the weights because it has eight HBMs; one host does not.
+  The cores' per-row work (forward and backward passes, BatchNormalization
+  statistics, dropout streams) is mapped over a *core axis* inside one device
+  program, while the replicated state (weights, optimizer slots) exists once
+  and is updated once. The cross-core all-reduce of the gradients becomes one
+  contraction over all rows (:mod:`keras_tpu.replicated_steps`), so no
+  cross-device collective is left to wait on: eight XLA:CPU devices meeting in
+  collectives on two host cores could starve past XLA's rendezvous timeout
+  and abort the process.
+* **A pod (several processes): one device per process**, holding that
+  worker's cores the same way; the processes meet in JAX's collectives.
+
+Any other arrangement (several devices per process, as for experiments) works
+too, with identical results; programs on such layouts bound how many of them
+are in flight (see :attr:`CoreLayout.max_programs_in_flight`).
+
+Inside a per-device program, :meth:`CoreLayout.map_cores` maps a function
+over the device's cores and :meth:`CoreLayout.device_sum` /
+:meth:`CoreLayout.device_gather` combine across devices. Inside a per-core
+function (:meth:`CoreLayout.per_core`, used by ``TPUStrategy.run``),
+:meth:`core_index`, :meth:`psum`, :meth:`pmean` and :meth:`all_gather` talk
+across cores as on a TPU.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from keras_tpu import host
 
 DEVICE_AXIS = "tpu_device"
 CORE_AXIS = "tpu_core"
 
+#: PartitionSpecs of per-device program arguments: split by rows, or the same everywhere.
+ROWS = PartitionSpec(DEVICE_AXIS)
+REPLICATED = PartitionSpec()
+
 
 class CoreLayout:
-    """``num_cores`` simulated TPU cores placed on JAX devices.
+    """``num_cores`` simulated TPU cores placed on JAX devices, ``cores_per_device`` on each.
 
-    Inside a function run by :meth:`per_core`, use :meth:`core_index`,
-    :meth:`psum`, :meth:`pmean` and :meth:`all_gather` to talk across cores.
+    Args:
+        num_cores: the TPU cores to simulate.
+        devices: the JAX devices to hold them (default: one device per
+            process, see the module docstring). ``num_cores`` must be a
+            multiple of their number.
 
     Example:
         >>> layout = CoreLayout(8)
+        >>> layout.num_devices, layout.cores_per_device
+        (1, 8)
         >>> def core_fn(x):          # x: this core's rows
         ...     return layout.psum(x.sum())
         >>> total = layout.per_core(core_fn, sharded_args=(True,), sharded_outputs=False)(np.ones((16, 3)))
+        >>> float(total)
+        48.0
     """
 
     def __init__(self, num_cores, devices=None):
         if devices is None:
-            devices, cores_per_device = host.devices_for_cores(num_cores)
-        else:
-            if num_cores % len(devices):
-                raise ValueError(f"{num_cores} cores cannot be spread evenly over {len(devices)} devices.")
-            cores_per_device = num_cores // len(devices)
-        self.num_cores = num_cores
-        self.devices = list(devices)
-        self.cores_per_device = cores_per_device
-        self.mesh = Mesh(np.array(self.devices), (DEVICE_AXIS,))
+            devices = host.devices_for_cores(num_cores)
+        devices = list(devices)
+        if not devices or num_cores % len(devices):
+            raise ValueError(f"{num_cores} cores cannot be spread evenly over {len(devices)} devices.")
+        self.num_cores = int(num_cores)
+        self.devices = devices
+        self.cores_per_device = self.num_cores // len(devices)
+        self.mesh = Mesh(np.array(devices), (DEVICE_AXIS,))
 
     @classmethod
-    def for_tracing(cls, num_cores):
-        """A layout with one core per (imaginary) device, to trace a per-core program with
-        ``jax.make_jaxpr(fn, axis_env=layout.axis_env())`` without any devices."""
+    def abstract(cls, num_cores, num_devices=1):
+        """A layout without devices, to trace programs (``jax.make_jaxpr``) for any core count.
+
+        Example:
+            >>> CoreLayout.abstract(8).cores_per_device
+            8
+        """
+        if num_cores % num_devices:
+            raise ValueError(f"{num_cores} cores cannot be spread evenly over {num_devices} devices.")
         layout = cls.__new__(cls)
-        layout.num_cores, layout.devices, layout.cores_per_device, layout.mesh = num_cores, [], 1, None
+        layout.num_cores, layout.devices = int(num_cores), None
+        layout.cores_per_device = layout.num_cores // num_devices
+        layout.mesh = AbstractMesh((num_devices,), (DEVICE_AXIS,))
         return layout
 
-    def axis_env(self):
-        """Axis sizes for tracing a per-core function outside :meth:`per_core`."""
-        return [(DEVICE_AXIS, self.num_cores)] + ([(CORE_AXIS, self.cores_per_device)]
-                                                  if self.cores_per_device > 1 else [])
+    def sub_layout(self, num_cores):
+        """The first ``num_cores`` cores of this layout (e.g. ``using_single_core`` or ``num_shards``).
+
+        Example:
+            >>> CoreLayout(8).sub_layout(1).num_cores
+            1
+        """
+        if not 1 <= num_cores <= self.num_cores:
+            raise ValueError(f"A layout of {self.num_cores} cores has no sub-layout of {num_cores} cores.")
+        if self.devices is None:
+            return CoreLayout.abstract(num_cores, 1)
+        devices = self.devices[:max(1, num_cores // self.cores_per_device)]
+        if num_cores % len(devices):
+            devices = devices[:1]
+        return CoreLayout(num_cores, devices=devices)
 
     @property
     def num_devices(self):
-        return len(self.devices)
+        return int(self.mesh.shape[DEVICE_AXIS])
+
+    @property
+    def is_abstract(self):
+        return self.devices is None
+
+    @property
+    def max_programs_in_flight(self):
+        """How many programs may be dispatched before the oldest must finish (None: no bound).
+
+        Programs on one device have no collectives and may queue freely. Across
+        devices of one process, XLA:CPU collectives wait for every device's
+        thread; with many programs queued on few host cores a starved device
+        can miss XLA's 40 s rendezvous timeout, so such layouts keep at most
+        two programs in flight.
+        """
+        return None if self.num_devices == 1 else 2
 
     def describe(self):
+        kind = "abstract" if self.is_abstract else self.devices[0].platform.upper()
         if self.cores_per_device == 1:
-            return f"{self.num_devices} JAX {self.devices[0].platform.upper()} devices, one core each"
-        return (f"{self.num_devices} JAX {self.devices[0].platform.upper()} device(s), "
-                f"{self.cores_per_device} cores each")
+            return f"{self.num_devices} JAX {kind} devices, one core each"
+        return f"{self.num_devices} JAX {kind} device(s), {self.cores_per_device} cores each"
 
     def core_devices(self):
         """The device that holds each core, in core order."""
-        return [d for d in self.devices for _ in range(self.cores_per_device)]
+        return [d for d in (self.devices or [None] * self.num_devices) for _ in range(self.cores_per_device)]
 
-    # -- inside a per-core function -------------------------------------------------
+    def __repr__(self):
+        return f"CoreLayout({self.num_cores} cores on {self.describe()})"
+
+    def holds(self, value):
+        """Whether ``value`` is an array placed on this layout's cores (a TPU program's input or output)."""
+        sharding = getattr(value, "sharding", None)
+        return isinstance(value, jax.Array) and isinstance(sharding, NamedSharding) and sharding.mesh == self.mesh
+
+    # -- inside a per-device program (see per_device) ------------------------------------
+
+    def local_core_ids(self):
+        """The global indices of this device's cores, int32 ``(cores_per_device,)``."""
+        if self.num_devices == 1:  # also outside a per-device program (tracing one device's step)
+            return jnp.arange(self.cores_per_device, dtype=jnp.int32)
+        first = lax.axis_index(DEVICE_AXIS) * self.cores_per_device
+        return (first + jnp.arange(self.cores_per_device)).astype(jnp.int32)
+
+    def split_cores(self, tree):
+        """This device's rows ``(rows, ...)`` as ``(cores_per_device, rows // cores_per_device, ...)``."""
+        cores = self.cores_per_device
+        return jax.tree.map(lambda a: a.reshape((cores, a.shape[0] // cores) + a.shape[1:]), tree)
+
+    def merge_cores(self, tree):
+        """Inverse of :meth:`split_cores`: per-core rows back to this device's rows, in core order."""
+        return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), tree)
+
+    def map_cores(self, fn, in_axes):
+        """Map ``fn`` over this device's cores, like ``jax.vmap`` over a core axis.
+
+        Arguments with ``in_axes`` 0 carry a leading core axis; ``None``
+        arguments are shared by all cores (the replicated weights: one copy,
+        and autodiff sums their gradients over the cores in one contraction).
+        Outputs get a leading core axis. Inside ``fn``, :meth:`core_index` and
+        the cross-core collectives work.
+        """
+        return jax.vmap(fn, in_axes=in_axes, axis_name=CORE_AXIS)
+
+    def device_sum(self, tree):
+        """Sum over the devices of the layout (nothing to do on one device)."""
+        if self.num_devices == 1:
+            return tree
+        return jax.tree.map(lambda x: lax.psum(x, DEVICE_AXIS), tree)
+
+    def device_gather(self, tree):
+        """Concatenate every device's rows along axis 0, in core order (nothing to do on one device)."""
+        if self.num_devices == 1:
+            return tree
+        return jax.tree.map(lambda x: lax.all_gather(x, DEVICE_AXIS, axis=0, tiled=True), tree)
+
+    def per_device(self, device_fn, in_specs, out_specs):
+        """Turn ``device_fn`` (one device's program) into a function of global arrays.
+
+        ``in_specs``/``out_specs``: one :data:`ROWS` or :data:`REPLICATED` per
+        argument/output. :data:`ROWS` arguments are split by rows over the
+        devices, in core order; :data:`REPLICATED` values are whole on every
+        device (outputs: identical on every device by construction).
+        """
+        return jax.shard_map(device_fn, mesh=self.mesh, in_specs=tuple(in_specs), out_specs=tuple(out_specs),
+                             # Replicated outputs are identical on every device by construction (summed
+                             # gradients, one update rule), which JAX cannot prove: skip its check.
+                             check_vma=False)
+
+    # -- inside a per-core function (see per_core) -------------------------------------
 
     def core_index(self):
-        """This core's index, 0 .. num_cores - 1 (only inside :meth:`per_core`)."""
-        index = lax.axis_index(DEVICE_AXIS) * self.cores_per_device
-        if self.cores_per_device > 1:
-            index = index + lax.axis_index(CORE_AXIS)
-        return index
+        """This core's index, 0 .. num_cores - 1 (only inside :meth:`per_core` or :meth:`map_cores`)."""
+        return lax.axis_index(DEVICE_AXIS) * self.cores_per_device + lax.axis_index(CORE_AXIS)
 
     def psum(self, tree):
         """Sum over all cores."""
-        def total(x):
-            if self.cores_per_device > 1:
-                x = lax.psum(x, CORE_AXIS)
-            return lax.psum(x, DEVICE_AXIS)
-        return jax.tree.map(total, tree)
+        return self.device_sum(jax.tree.map(lambda x: lax.psum(x, CORE_AXIS), tree))
 
     def pmean(self, tree):
         """Mean over all cores."""
@@ -94,21 +217,18 @@ class CoreLayout:
     def all_gather(self, tree):
         """Concatenate every core's value along axis 0, in core order (scalars are stacked)."""
         def gather(x):
-            if x.ndim == 0:
-                x = x[None]
-            if self.cores_per_device > 1:
-                x = lax.all_gather(x, CORE_AXIS, axis=0, tiled=True)
-            return lax.all_gather(x, DEVICE_AXIS, axis=0, tiled=True)
-        return jax.tree.map(gather, tree)
+            x = x[None] if x.ndim == 0 else x
+            return lax.all_gather(x, CORE_AXIS, axis=0, tiled=True)
+        return self.device_gather(jax.tree.map(gather, tree))
 
-    # -- running per-core programs ----------------------------------------------------
+    # -- placing arrays and running per-core functions ------------------------------------
 
     def batch_sharding(self):
         """The sharding of a global batch: rows split over the devices, in core order."""
-        return NamedSharding(self.mesh, PartitionSpec(DEVICE_AXIS))
+        return NamedSharding(self.mesh, ROWS)
 
     def replicated_sharding(self):
-        return NamedSharding(self.mesh, PartitionSpec())
+        return NamedSharding(self.mesh, REPLICATED)
 
     def per_core(self, core_fn, sharded_args, sharded_outputs):
         """Turn ``core_fn`` (one core's program) into a function of global arrays.
@@ -128,41 +248,20 @@ class CoreLayout:
         sharded_args = tuple(sharded_args)
         single_output = isinstance(sharded_outputs, bool)
         out_flags = (sharded_outputs,) if single_output else tuple(sharded_outputs)
-        cpd = self.cores_per_device
 
-        def per_device(*args):
-            if cpd == 1:
-                outputs = core_fn(*args)
-                return (outputs,) if single_output else tuple(outputs)
-            split = [
-                jax.tree.map(lambda a: a.reshape((cpd, a.shape[0] // cpd) + a.shape[1:]), arg) if s else arg
-                for arg, s in zip(args, sharded_args)
-            ]
+        def wrapped(*core_args):
+            outputs = core_fn(*core_args)
+            return (outputs,) if single_output else tuple(outputs)
 
-            def wrapped(*core_args):
-                outputs = core_fn(*core_args)
-                return (outputs,) if single_output else tuple(outputs)
+        def device_fn(*args):
+            split = [self.split_cores(arg) if s else arg for arg, s in zip(args, sharded_args)]
+            outputs = self.map_cores(wrapped, tuple(0 if s else None for s in sharded_args))(*split)
+            # Per-core rows back to the device's rows; values equal on every core: the first copy.
+            return tuple(self.merge_cores(out) if s else jax.tree.map(lambda a: a[0], out)
+                         for out, s in zip(outputs, out_flags))
 
-            outputs = jax.vmap(wrapped, in_axes=tuple(0 if s else None for s in sharded_args),
-                               axis_name=CORE_AXIS)(*split)
-            # Cores on one device are stacked on axis 0: merge them back into rows,
-            # or keep the first copy of values that are the same on every core.
-            return tuple(
-                jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), out) if s
-                else jax.tree.map(lambda a: a[0], out)
-                for out, s in zip(outputs, out_flags)
-            )
-
-        spec = lambda s: PartitionSpec(DEVICE_AXIS) if s else PartitionSpec()
-        mapped = jax.shard_map(
-            per_device,
-            mesh=self.mesh,
-            in_specs=tuple(spec(s) for s in sharded_args),
-            out_specs=tuple(spec(s) for s in out_flags),
-            # Replicated outputs are identical on every core by construction
-            # (all-reduced gradients, identical updates); see step.py.
-            check_vma=False,
-        )
+        spec = lambda s: ROWS if s else REPLICATED
+        mapped = self.per_device(device_fn, [spec(s) for s in sharded_args], [spec(s) for s in out_flags])
 
         def run(*args):
             outputs = mapped(*args)

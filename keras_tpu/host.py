@@ -103,43 +103,26 @@ def prepare_host():
 
 
 def devices_for_cores(num_cores):
-    """The JAX devices that will hold ``num_cores`` cores, and how many cores each holds.
+    """The JAX devices that hold ``num_cores`` simulated cores: one per process.
 
-    Uses as many devices as possible such that every device holds the same
-    number of cores. When fewer devices than cores exist, logs once how to get
-    one device per core.
+    One process holds all its cores on one device (see :mod:`keras_tpu.cores`
+    for why); in a pod every worker process contributes its first device,
+    in worker order, and the cores are spread evenly over the workers.
 
     Example:
-        >>> devices, cores_per_device = devices_for_cores(8)
+        >>> devices = devices_for_cores(8)
+        >>> len(devices)
+        1
     """
     import jax
 
-    if jax.process_count() > 1:  # a pod: every process's devices, worker by worker
-        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        if len(devices) != num_cores:
-            raise ValueError(f"The pod has {len(devices)} devices ({jax.process_count()} workers) but "
-                             f"{num_cores} cores were asked for; set KERAS_TPU_CORES_PER_WORKER to the cores of "
-                             f"each worker.")
-        return devices, 1
-    available = jax.local_devices()
-    count = max(d for d in range(1, num_cores + 1) if num_cores % d == 0 and d <= len(available))
-    if count < num_cores:
-        _warn_few_devices(len(available), num_cores, count)
-    return available[:count], num_cores // count
-
-
-_warned_few_devices = False
-
-
-def _warn_few_devices(available, num_cores, used):
-    global _warned_few_devices
-    if _warned_few_devices:
-        return
-    _warned_few_devices = True
-    logger.warning(
-        "JAX started with %d device(s) before keras_tpu could arrange %d, so %d TPU cores "
-        "run on each of %d device(s). Results are the same, but for one device per core "
-        "import keras_tpu before building any Keras model or JAX array (or start Python "
-        "with XLA_FLAGS=--xla_force_host_platform_device_count=%d).",
-        available, num_cores, num_cores // used, used, num_cores,
-    )
+    if jax.process_count() > 1:  # a pod: one device of each worker, in worker order
+        first = {}
+        for device in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
+            first.setdefault(device.process_index, device)
+        devices = [first[p] for p in sorted(first)]
+        if num_cores % len(devices):
+            raise ValueError(f"The pod has {len(devices)} workers, which cannot hold {num_cores} cores evenly; "
+                             f"set KERAS_TPU_CORES_PER_WORKER to the cores of each worker.")
+        return devices
+    return jax.local_devices()[:1]

@@ -27,6 +27,7 @@ from keras_tpu import _keras_private, rewrite
 from keras_tpu.cluster import accelerator_spec
 from keras_tpu.cores import CoreLayout
 from keras_tpu.mxu.program import mxu_ops
+from keras_tpu.placement import installed_on
 from keras_tpu.replicated_steps import ReplicatedSteps
 
 
@@ -211,17 +212,19 @@ def _input_specs(model, per_core_batch):
 
 
 def _target_specs(model, per_core_batch):
-    """Target shapes for the compiled loss: class indices for sparse losses, else the outputs' shapes."""
+    """Target shapes for the compiled loss: class indices for sparse losses (one per row and position of
+    a sequence output), else the outputs' shapes."""
     outputs = model.outputs
     reductions = getattr(model, "loss", None)
     names = [str(getattr(l, "name", l)) for l in keras.tree.flatten(reductions)] if reductions else []
     sparse = any("sparse" in name.lower() for name in names)
-    specs = [jax.ShapeDtypeStruct((per_core_batch, 1), jnp.int32) if sparse else
+    specs = [jax.ShapeDtypeStruct((per_core_batch,) + tuple(t.shape[1:-1]) + (1,), jnp.int32) if sparse else
              jax.ShapeDtypeStruct((per_core_batch,) + tuple(t.shape[1:]), jnp.float32) for t in outputs]
     return specs[0] if len(specs) == 1 else specs
 
 
-def _step_ops(model, steps, step, per_core_batch, layout, rows, cols, x_spec, y_spec):
+def _step_ops(model, steps, step, per_core_batch, rows, cols, x_spec, y_spec):
+    """The MXU ops of one core's training or inference step (``steps`` runs on one abstract core)."""
     state_parts = [model.trainable_variables, model.non_trainable_variables]
     if step == "train":
         model.optimizer.build(model.trainable_variables)
@@ -229,14 +232,14 @@ def _step_ops(model, steps, step, per_core_batch, layout, rows, cols, x_spec, y_
         state = tuple([_abstract(v) for v in part] for part in state_parts)
         batch = (x_spec, y_spec, None)
         mask = jax.ShapeDtypeStruct((per_core_batch,), jnp.float32)
-        fn = lambda state, batch, mask: steps._train_step(state, batch, mask, jnp.int32(per_core_batch * layout.num_cores))
+        fn = lambda state, batch, mask: steps.train_step(state, batch, mask, jnp.int32(per_core_batch))
         args = (state, batch, mask)
     else:
         state = tuple([_abstract(v) for v in part] for part in state_parts)
         kwargs = _keras_private.inference_kwargs(model)
         fn = lambda state, x: model.stateless_call(state[0], state[1], x, **kwargs)[0]
         args = (state, x_spec)
-    closed = jax.make_jaxpr(rewrite.transform(fn, steps.rule), axis_env=layout.axis_env())(*args)
+    closed = jax.make_jaxpr(rewrite.transform(fn, steps.rule))(*args)
     return mxu_ops(closed, rows, cols)
 
 
@@ -272,15 +275,16 @@ def _advice(profile_at, report):
     return advice
 
 
-def profile(model, batch_size=None, accelerator_type="v2-8", num_cores=None, dataset_size=None, precision="default",
+def profile(model, batch_size=None, accelerator_type=None, num_cores=None, dataset_size=None, precision="default",
             advise=True):
     """Profile one training step and one inference step of ``model`` on a simulated TPU.
 
     Args:
-        model: a Keras model (compiled, for the training step), or a
-            :class:`keras_tpu.KerasTPUModel`.
-        batch_size: the global batch (default: 128 per core).
-        accelerator_type: e.g. ``"v2-8"``, ``"v3-8"``, ``"v4-8"``, ``"v5litepod-8"``.
+        model: a Keras model (compiled, for the training step), or a model
+            on the TPU (``keras_to_tpu_model``'s, or one built under
+            ``TPUStrategy().scope()``), whose settings are then the defaults.
+        batch_size: the global batch (default: the last ``fit``'s, else 128 per core).
+        accelerator_type: e.g. ``"v2-8"`` (the default), ``"v3-8"``, ``"v4-8"``, ``"v5litepod-8"``.
         num_cores: cores the batch is split over (default: the type's, at most 8 per host).
         dataset_size: examples per epoch, for per-epoch totals.
         precision: MXU precision of the model's matrix products.
@@ -293,11 +297,16 @@ def profile(model, batch_size=None, accelerator_type="v2-8", num_cores=None, dat
         >>> model.compile("adam", "mse")                                               # doctest: +SKIP
         >>> print(profile(model, batch_size=1024))                                     # doctest: +SKIP
     """
-    from keras_tpu.tpu_model import KerasTPUModel
-
-    if isinstance(model, KerasTPUModel):
-        precision = model.strategy.precision if precision == "default" else precision
-        model = model.cpu_model
+    installed = installed_on(model)
+    if installed is not None:  # a model on the TPU: its own settings are the defaults
+        placement = installed.placement
+        if precision == "default":
+            precision = placement.precision
+        accelerator_type = accelerator_type or placement.accelerator_type
+        num_cores = num_cores or placement.num_cores
+        batch_size = batch_size or (installed.steps.global_batch if installed.steps else None)
+        model = installed.user_model
+    accelerator_type = accelerator_type or "v2-8"
     if not isinstance(model, keras.Model):
         raise TypeError(f"profile needs a Keras model; got {type(model).__name__}.")
     spec, type_cores = accelerator_spec(accelerator_type)
@@ -308,15 +317,14 @@ def profile(model, batch_size=None, accelerator_type="v2-8", num_cores=None, dat
 
     def profile_at(global_batch, with_advice=False):
         per_core = global_batch // num_cores
-        layout = CoreLayout.for_tracing(num_cores)
-        steps = ReplicatedSteps(model, layout, precision)
+        steps = ReplicatedSteps(model, CoreLayout.abstract(1), precision)  # one core's step
         x_spec = _input_specs(model, per_core)
         names = _layer_names(model)
         rows = []
         modes = ["train", "inference"] if model.compiled and model.optimizer is not None else ["inference"]
         for step in modes:
             y_spec = _target_specs(model, per_core) if step == "train" else None
-            for op in _step_ops(model, steps, step, per_core, layout, spec.mxu_rows, spec.mxu_cols, x_spec, y_spec):
+            for op in _step_ops(model, steps, step, per_core, spec.mxu_rows, spec.mxu_cols, x_spec, y_spec):
                 rows.append(OpRow(step, _layer_of(op, names), op.pass_name, op.kind, op, op.cost.timing(spec)))
         report = TPUProfile(model.name, f"{spec.generation}-{type_cores}", num_cores, global_batch,
                             dataset_size, rows, [])

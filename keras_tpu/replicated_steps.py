@@ -7,18 +7,24 @@ take and return Keras' state lists (trainable, non-trainable, optimizer and
 metric variables), so callbacks, the progress bar and ``History`` work as
 usual.
 
-What a train step does on each core (TPU replication):
+What a train step does (TPU replication, as one device program per process;
+see :mod:`keras_tpu.cores`):
 
-1. Forward and backward pass on the core's rows with Keras'
+1. Each core runs the forward pass on its rows with Keras'
    ``compute_loss_and_updates`` (the model's own loss, regularisers and
-   ``compute_loss``).
-2. Gradients are averaged over the cores (an all-reduce), and every core
-   applies the same optimizer update, so the weights stay identical.
+   ``compute_loss``), mapped over the cores with the weights shared.
+2. The gradient of the mean of the cores' losses is taken once. Since
+   gradients are linear, it *is* the mean of the per-core gradients (the
+   TPU's all-reduce), computed as one contraction over all rows; only the
+   order of the float32 sums differs, as between two all-reduce algorithms.
+   The optimizer update then runs once, on one copy of the weights.
 3. Padding rows (see :mod:`keras_tpu.batching`) get sample weight 0, and the
    real rows a weight chosen so that the mean over cores equals the loss of
    the real rows alone: ``global_rows / real_rows`` for losses averaged over
    the batch (``sum_over_batch_size``), ``cores`` for ``sum``. Losses with
-   ``mean_with_sample_weight`` are averaged per core, as on a TPU.
+   ``mean_with_sample_weight`` are averaged per core, as on a TPU. The
+   weights take the shape of the loss (one per row and time step for
+   sequence outputs), so any output rank works.
 4. **BatchNormalization** normalises each core's rows with that core's batch
    statistics (as on a real TPU); the moving statistics are then averaged
    over the cores, weighted by each core's real rows (a core holding only
@@ -26,18 +32,19 @@ What a train step does on each core (TPU replication):
 5. **Dropout** and other seeded random layers draw a different stream on each
    core (the core index is folded into the seed); the seed state advances
    identically everywhere.
-6. Metrics are computed on the whole global batch, gathered from the cores,
-   so every Keras metric gets exactly what it gets on the CPU.
+6. Metrics are computed on the whole global batch (the cores' rows in core
+   order), so every Keras metric gets exactly what it gets on the CPU.
 
-Test and predict steps have no cross-core interaction (rows are independent
-in inference, and metrics use the gathered batch), so on a single host they
-run all cores' rows as one batch on the first device: the results are the
-same, and XLA:CPU's forward convolutions run about 10% faster on one large
-batch than on eight concurrent small ones (benchmarks/cifar10_speed.py).
-Training keeps one device per core, where the backward convolutions are
-several times faster on the cores' small batches.
+Test and predict steps map the same way over the cores (each core's rows
+are its own batch, as a model with a fixed batch size expects); with the
+weights shared, XLA still runs each layer as one product over all rows.
+
+A program runs ``steps_per_execution`` steps per call. When fewer batches are
+left (the end of an epoch, ``evaluate(steps=1)``), a program of just that many
+steps runs instead (compiled once per count): inactive steps cost nothing.
 """
 
+import collections
 import time
 
 import jax
@@ -49,7 +56,7 @@ from keras import tree
 from keras_tpu import _keras_private, pod, rewrite
 from keras_tpu._logging import logger
 from keras_tpu.batching import BatchStacker, unstack_outputs
-from keras_tpu.cores import CoreLayout
+from keras_tpu.cores import REPLICATED, ROWS
 from keras_tpu.mxu.numerics import canonical_precision
 from keras_tpu.mxu.routing import mxu_rule
 from keras_tpu.vector_unit import vector_unit_rule
@@ -69,13 +76,42 @@ XLA_CPU_OPTIONS = {
 _STEP_METHODS = ("train_step", "test_step", "predict_step")
 
 
-def custom_step_methods(model):
-    """Names of Keras step methods that ``model``'s class replaces (those cannot be split over cores)."""
-    return _keras_private.overridden_methods(model, _STEP_METHODS)
+def check_steps_supported(model):
+    """Refuse a model whose class replaces Keras' train/test/predict steps (those cannot be split over cores)."""
+    custom = _keras_private.overridden_methods(model, _STEP_METHODS)
+    if custom:
+        raise ValueError(
+            f"{type(model).__name__} replaces Keras' {', '.join(custom)}, which keras_tpu cannot split over "
+            f"the TPU cores. Put the custom logic in `compute_loss` (or in layers) and keep Keras' steps."
+        )
+
+
+def program_rule(precision, on_mxu=True):
+    """The rewrite rule of TPU programs: matrix products on the MXU (unless ``on_mxu`` is False) and the
+    vector unit's fast lowerings (:mod:`keras_tpu.vector_unit`)."""
+    return rewrite.compose(mxu_rule(precision), vector_unit_rule()) if on_mxu else vector_unit_rule()
 
 
 def _is_seed_state(variable):
     return variable.path.endswith("seed_generator_state") and "int" in str(variable.dtype)
+
+
+def loss_rank(output_shape):
+    """The rank of a loss's per-element values for an output: one value per row and position.
+
+    Keras losses reduce the last (class or feature) axis, so an output of
+    shape ``(rows, time, classes)`` has per-element losses ``(rows, time)``.
+
+    Example:
+        >>> loss_rank((128, 10)), loss_rank((128, 100, 256)), loss_rank((128,))
+        (1, 2, 1)
+    """
+    return max(1, len(output_shape) - 1)
+
+
+def _weight_like(mask, rank):
+    """A per-row mask ``(rows,)`` shaped ``(rows, 1, ...)`` to broadcast against values of ``rank``."""
+    return mask.reshape(mask.shape + (1,) * (rank - 1))
 
 
 class ReplicatedSteps:
@@ -94,176 +130,219 @@ class ReplicatedSteps:
     """
 
     def __init__(self, model, layout, precision="default", on_mxu=True):
-        custom = custom_step_methods(model)
-        if custom:
-            raise ValueError(
-                f"{type(model).__name__} replaces Keras' {', '.join(custom)}, which keras_tpu cannot split over "
-                f"the TPU cores. Put the custom logic in `compute_loss` (or in layers) and keep Keras' steps."
-            )
+        check_steps_supported(model)
         self.model = model
         self.layout = layout
         self.precision = canonical_precision(precision)
-        self.rule = rewrite.compose(mxu_rule(self.precision), vector_unit_rule()) if on_mxu else vector_unit_rule()
+        self.rule = program_rule(self.precision, on_mxu)
         self.last_programs = {}
-        self._on_mxu = on_mxu
-        self._inference = None
-
-    def _inference_steps(self):
-        """The builder that runs test and predict steps (see the module docstring)."""
-        if self._inference is None:
-            if self.layout.num_devices <= 1 or pod.is_multi_worker():
-                self._inference = self
-            else:
-                one_device = CoreLayout(1, devices=self.layout.devices[:1])
-                self._inference = ReplicatedSteps(self.model, one_device, self.precision, self._on_mxu)
-                self._inference.last_programs = self.last_programs
-        return self._inference
 
     # -- functions for Keras' loops -------------------------------------------------
 
     def train_function(self, steps_per_execution=1):
         """``(state, iterator) -> (logs, state)``, for ``model.train_function``."""
-        program = _Program("train", self, steps_per_execution, self._core_train,
-                           sharded_outputs=(False, False))
-        return program.run_for_logs
+        return _Program("train", self, steps_per_execution, self._device_train).run_for_logs
 
     def test_function(self, steps_per_execution=1):
         """``(state, iterator) -> (logs, state)``, for ``model.test_function``."""
-        steps = self._inference_steps()
-        program = _Program("test", steps, steps_per_execution, steps._core_test, sharded_outputs=(False, False))
-        return program.run_for_logs
+        return _Program("test", self, steps_per_execution, self._device_test).run_for_logs
 
     def predict_function(self, steps_per_execution=1):
         """``(state, iterator) -> (outputs, state)``, for ``model.predict_function``."""
-        steps = self._inference_steps()
-        program = _Program("predict", steps, steps_per_execution, steps._core_predict,
-                           sharded_outputs=(True, False))
-        return program.run_for_outputs
+        return _Program("predict", self, steps_per_execution, self._device_predict).run_for_outputs
 
-    # -- what one core runs ------------------------------------------------------------
+    @property
+    def global_batch(self):
+        """The padded global batch of the last training program (None before ``fit``)."""
+        program = self.last_programs.get("train")
+        return program.stacker.global_batch if program else None
 
-    def _scan_steps(self, step, state, data, mask, real_rows, active):
-        """Run ``step`` for each stacked step (axis 1 of this core's arrays), skipping inactive ones."""
+    # -- what one device runs: stacked steps ------------------------------------------
+
+    @staticmethod
+    def _scan_steps(step, state, data, mask, real_rows):
+        """Run ``step`` for each stacked step (axis 1 of the arrays)."""
         per_step = tree.map_structure(lambda a: jnp.moveaxis(a, 1, 0), (data, mask), none_is_leaf=False)
         if mask.shape[1] == 1:
             batch, step_mask = tree.map_structure(lambda a: a[0], per_step, none_is_leaf=False)
             return step(state, batch, step_mask, real_rows[0])
 
         def body(state, inputs):
-            (batch, step_mask), rows, on = inputs
-            return lax.cond(on, step, lambda s, *_: s, state, batch, step_mask, rows), None
+            (batch, step_mask), rows = inputs
+            return step(state, batch, step_mask, rows), None
 
-        return lax.scan(body, state, (per_step, real_rows, active))[0]
+        return lax.scan(body, state, (per_step, real_rows))[0]
 
-    def _core_train(self, state, data, mask, real_rows, active):
-        state = self._scan_steps(self._train_step, state, data, mask, real_rows, active)
+    def _device_train(self, state, data, mask, real_rows):
+        state = self._scan_steps(self.train_step, state, data, mask, real_rows)
         return _keras_private.metrics_result(self.model, state[3]), state
 
-    def _core_test(self, state, data, mask, real_rows, active):
-        state = self._scan_steps(self._test_step, state, data, mask, real_rows, active)
+    def _device_test(self, state, data, mask, real_rows):
+        state = self._scan_steps(self.test_step, state, data, mask, real_rows)
         return _keras_private.metrics_result(self.model, state[2]), state
 
-    def _core_predict(self, state, data, mask, real_rows, active):
+    def _device_predict(self, state, data, mask, real_rows):
         trainable, non_trainable = state
         kwargs = _keras_private.inference_kwargs(self.model)
+        layout = self.layout
 
-        def predict(x):
+        def core_predict(x):
             return self.model.stateless_call(trainable, non_trainable, x, **kwargs)[0]
+
+        def predict(x):  # one step: every core predicts its rows
+            return layout.merge_cores(layout.map_cores(core_predict, in_axes=0)(layout.split_cores(x)))
 
         x_steps = tree.map_structure(lambda a: jnp.moveaxis(a, 1, 0),
                                      keras.utils.unpack_x_y_sample_weight(data)[0], none_is_leaf=False)
         outputs = lax.map(predict, x_steps)  # (steps, rows, ...)
         return tree.map_structure(lambda a: jnp.moveaxis(a, 0, 1), outputs), state
 
-    def _sample_weights(self, mask, sample_weight, real_rows):
-        """Per-row weights for the loss (padding excluded, rescaled) and for the metrics (padding excluded)."""
-        global_rows = mask.shape[0] * self.layout.num_cores
+    # -- one step on one device -------------------------------------------------------
+
+    def _output_shapes(self, trainable, non_trainable, x):
+        """The shapes of the model's outputs for one core's rows of ``x`` (traced abstractly, no compute)."""
+        kwargs = _keras_private.inference_kwargs(self.model)
+        core_rows = jax.tree.map(lambda a: a[0], self.layout.split_cores(x))
+        return jax.eval_shape(lambda: self.model.stateless_call(trainable, non_trainable, core_rows, **kwargs)[0])
+
+    def _sample_weights(self, mask, sample_weight, real_rows, output_shapes, units):
+        """Per-element weights for the loss (padding excluded, rescaled) and for the metrics (padding excluded).
+
+        ``mask`` holds this device's rows; the loss is computed by ``units`` parts
+        (cores in training, devices in evaluation) whose mean is reported. Each
+        weight has the rank of its output's per-element loss (see :func:`loss_rank`),
+        so a padding row is masked at every time step of a sequence output.
+        """
+        global_rows = mask.shape[0] * self.layout.num_devices
         reductions = set(_keras_private.loss_reductions(self.model))
         if reductions and reductions <= {"sum"}:
-            scale = jnp.float32(self.layout.num_cores)
+            scale = jnp.float32(units)
         elif reductions == {"mean_with_sample_weight"}:
             scale = jnp.float32(1.0)
         else:
             scale = global_rows / jnp.maximum(real_rows, 1).astype(jnp.float32)
 
-        def weigh(sw, factor):
+        def weigh(sw, shape):
             if sw is None:
-                return mask * factor
+                row_weight = _weight_like(mask, loss_rank(shape.shape))
+                return row_weight * scale, row_weight
             sw = jnp.asarray(sw, jnp.float32)
-            return sw * (mask * factor).reshape(mask.shape + (1,) * (sw.ndim - 1))
+            sw = sw * _weight_like(mask, sw.ndim)
+            return sw * scale, sw
 
-        if sample_weight is None or not tree.is_nested(sample_weight):
-            return weigh(sample_weight, scale), weigh(sample_weight, 1.0)
-        return (tree.map_structure(lambda sw: weigh(sw, scale), sample_weight),
-                tree.map_structure(lambda sw: weigh(sw, 1.0), sample_weight))
+        flat_shapes = tree.flatten(output_shapes)
+        if sample_weight is not None and tree.is_nested(sample_weight):
+            flat_sw = tree.flatten(sample_weight)
+            pairs = [weigh(sw, shape) for sw, shape in zip(flat_sw, flat_shapes)]
+            pack = lambda leaves: tree.pack_sequence_as(sample_weight, leaves)
+        else:
+            pairs = [weigh(sample_weight, shape) for shape in flat_shapes]
+            if len({p[0].ndim for p in pairs}) == 1:  # one weight fits every output
+                return pairs[0]
+            pack = lambda leaves: tree.pack_sequence_as(output_shapes, leaves)
+        return pack([p[0] for p in pairs]), pack([p[1] for p in pairs])
 
-    def _seed_offsets(self, values, sign):
-        core = self.layout.core_index().astype(jnp.uint32)
+    def _offset_seeds(self, values, core_id, sign):
         out = list(values)
         for i, variable in enumerate(self.model.non_trainable_variables):
             if _is_seed_state(variable):
-                offset = (core * jnp.uint32(SEED_STRIDE)).astype(values[i].dtype)
+                offset = (core_id.astype(jnp.uint32) * jnp.uint32(SEED_STRIDE)).astype(values[i].dtype)
                 out[i] = values[i].at[0].set(values[i][0] + offset if sign > 0 else values[i][0] - offset)
         return out
 
-    def _combine_non_trainable(self, before, after, weight):
-        """Average float state (moving statistics) over cores, weighted by each core's real rows."""
+    def _combine_non_trainable(self, before, per_core_after, core_share):
+        """Average float state (moving statistics) over the cores, weighted by each core's share of the
+        real rows; other state (seeds, counters) is the same on every core."""
         combined = []
-        for old, new in zip(before, after):
+        for old, new in zip(before, per_core_after):
             if jnp.issubdtype(new.dtype, jnp.floating):
-                delta = self.layout.psum(weight.astype(new.dtype) * (new - old))
+                weight = core_share.astype(new.dtype).reshape((-1,) + (1,) * old.ndim)
+                delta = self.layout.device_sum(jnp.sum(weight * (new - old), axis=0))
                 combined.append((old + delta).astype(old.dtype))
             else:
-                combined.append(new)
+                combined.append(new[0])
         return combined
 
     def _update_metrics(self, metrics_values, loss, real_rows, x, y, y_pred, mask, metric_weight, loss_weight):
-        gathered = self.layout.all_gather((x, y, y_pred, mask, metric_weight, loss_weight))
+        gathered = self.layout.device_gather((x, y, y_pred, mask, metric_weight, loss_weight))
         _, new_values = _keras_private.update_metrics(self.model, metrics_values, loss, real_rows, *gathered)
         return new_values
 
-    def _train_step(self, state, batch, mask, real_rows):
-        model = self.model
+    def train_step(self, state, batch, mask, real_rows):
+        """One training step of this device's cores: ``state`` -> new ``state``.
+
+        ``batch`` and ``mask`` hold this device's rows (its cores' rows in core order).
+        """
+        model, layout = self.model, self.layout
         trainable, non_trainable, optimizer_values, metrics_values = state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-        loss_weight, metric_weight = self._sample_weights(mask, sample_weight, real_rows)
-        grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
-        (_, aux), grads = grad_fn(trainable, self._seed_offsets(non_trainable, +1), metrics_values, x, y,
-                                  loss_weight, training=True, optimizer_variables=optimizer_values)
-        unscaled_loss, y_pred, new_non_trainable, _ = aux
-        grads = self.layout.pmean(grads)
+        by_core = layout.split_cores
+        output_shapes = self._output_shapes(trainable, non_trainable, x)
+        loss_weight, metric_weight = self._sample_weights(mask, sample_weight, real_rows, output_shapes,
+                                                          units=layout.num_cores)
+
+        def core_loss(trainable, x, y, loss_weight, core_id):
+            seeded = self._offset_seeds(non_trainable, core_id, +1)
+            loss, (unscaled, y_pred, new_non_trainable, _) = model.compute_loss_and_updates(
+                trainable, seeded, metrics_values, x, y, loss_weight, training=True,
+                optimizer_variables=optimizer_values)
+            return loss, (unscaled, y_pred, self._offset_seeds(new_non_trainable, core_id, -1))
+
+        def mean_core_loss(trainable):
+            losses, aux = layout.map_cores(core_loss, in_axes=(None, 0, 0, 0, 0))(
+                trainable, by_core(x), by_core(y), by_core(loss_weight), layout.local_core_ids())
+            return jnp.sum(losses) / layout.num_cores, aux
+
+        (_, (unscaled, y_pred, new_non_trainable)), grads = jax.value_and_grad(mean_core_loss, has_aux=True)(
+            trainable)
+        grads = layout.device_sum(grads)  # the all-reduce across devices (a pod's workers)
         trainable, optimizer_values = model.optimizer.stateless_apply(optimizer_values, grads, trainable)
-        core_share = jnp.sum(mask) / jnp.maximum(real_rows, 1).astype(jnp.float32)
-        new_non_trainable = self._combine_non_trainable(
-            non_trainable, self._seed_offsets(new_non_trainable, -1), core_share)
-        metrics_values = self._update_metrics(metrics_values, self.layout.pmean(unscaled_loss), real_rows,
-                                              x, y, y_pred, mask, metric_weight, loss_weight)
+        core_share = jnp.sum(by_core(mask), axis=1) / jnp.maximum(real_rows, 1).astype(jnp.float32)
+        new_non_trainable = self._combine_non_trainable(non_trainable, new_non_trainable, core_share)
+        mean_loss = layout.device_sum(jnp.sum(unscaled)) / layout.num_cores
+        metrics_values = self._update_metrics(metrics_values, mean_loss, real_rows, x, y,
+                                              layout.merge_cores(y_pred), mask, metric_weight, loss_weight)
         return (trainable, new_non_trainable, optimizer_values, metrics_values)
 
-    def _test_step(self, state, batch, mask, real_rows):
+    def test_step(self, state, batch, mask, real_rows):
+        """One evaluation step of this device's cores."""
+        layout, model = self.layout, self.model
         trainable, non_trainable, metrics_values = state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-        loss_weight, metric_weight = self._sample_weights(mask, sample_weight, real_rows)
-        _, (unscaled_loss, y_pred, _, _) = self.model.compute_loss_and_updates(
-            trainable, non_trainable, metrics_values, x, y, loss_weight, training=False)
-        metrics_values = self._update_metrics(metrics_values, self.layout.pmean(unscaled_loss), real_rows,
-                                              x, y, y_pred, mask, metric_weight, loss_weight)
+        output_shapes = self._output_shapes(trainable, non_trainable, x)
+        loss_weight, metric_weight = self._sample_weights(mask, sample_weight, real_rows, output_shapes,
+                                                          units=layout.num_cores)
+
+        def core_loss(x, y, loss_weight):
+            _, (unscaled, y_pred, _, _) = model.compute_loss_and_updates(
+                trainable, non_trainable, metrics_values, x, y, loss_weight, training=False)
+            return unscaled, y_pred
+
+        by_core = layout.split_cores
+        unscaled, y_pred = layout.map_cores(core_loss, in_axes=0)(by_core(x), by_core(y), by_core(loss_weight))
+        mean_loss = layout.device_sum(jnp.sum(unscaled)) / layout.num_cores
+        metrics_values = self._update_metrics(metrics_values, mean_loss, real_rows, x, y,
+                                              layout.merge_cores(y_pred), mask, metric_weight, loss_weight)
         return (trainable, non_trainable, metrics_values)
 
 
 class _Program:
-    """One compiled program (a mode and a number of steps per call) and its feeding."""
+    """The compiled programs of one mode (one per number of stacked steps) and their feeding."""
 
-    def __init__(self, mode, builder, steps_per_execution, core_fn, sharded_outputs):
+    def __init__(self, mode, builder, steps_per_execution, device_fn):
+        steps_per_execution = int(steps_per_execution)
+        if steps_per_execution < 1:
+            raise ValueError(f"steps_per_execution must be a positive integer; got {steps_per_execution}.")
         self.mode = mode
         self.layout = builder.layout
-        self.stacker = BatchStacker(self.layout.num_cores, int(steps_per_execution))
-        routed = rewrite.transform(core_fn, builder.rule)
+        self.stacker = BatchStacker(self.layout.num_cores, steps_per_execution)
+        routed = rewrite.transform(device_fn, builder.rule)
+        outputs = (ROWS if mode == "predict" else REPLICATED, REPLICATED)
         self._jitted = jax.jit(
-            self.layout.per_core(routed, sharded_args=(False, True, True, False, False),
-                                 sharded_outputs=sharded_outputs),
+            self.layout.per_device(routed, in_specs=(REPLICATED, ROWS, ROWS, REPLICATED), out_specs=outputs),
             donate_argnums=0, compiler_options=XLA_CPU_OPTIONS[mode] or None)
         self._executables = {}
+        self._in_flight = collections.deque()
         builder.last_programs[mode] = self
 
     def _place(self, state, stacked):
@@ -277,18 +356,28 @@ class _Program:
         else:
             put = jax.device_put
         return (put(state, replicated), put(stacked.data, by_rows), put(stacked.mask, by_rows),
-                put(stacked.real_rows, replicated), put(stacked.active, replicated))
+                put(stacked.real_rows, replicated))
 
-    def _executable(self, args):
+    def _executable(self, args, stacked):
         key = jax.tree.structure(args), tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args))
         executable = self._executables.get(key)
         if executable is None:
             started = time.perf_counter()
             executable = self._jitted.lower(*args).compile()
             self._executables[key] = executable
-            logger.info("Compiled the TPU %s program (global batch %d, %d step(s) per call) in %.1f s.",
-                        self.mode, self.stacker.global_batch, self.stacker.steps, time.perf_counter() - started)
+            real = int(stacked.real_rows.max())
+            padding = "" if real == self.stacker.global_batch else f", {real} real rows"
+            logger.info("Compiled the TPU %s program (global batch %d%s, %d step(s) per call) in %.1f s.",
+                        self.mode, self.stacker.global_batch, padding, stacked.steps, time.perf_counter() - started)
         return executable
+
+    def _bound_in_flight(self, result):
+        limit = self.layout.max_programs_in_flight
+        if limit is None:
+            return
+        self._in_flight.append(result)
+        while len(self._in_flight) > limit:
+            jax.block_until_ready(self._in_flight.popleft())
 
     def _call(self, state, iterator):
         batches = []
@@ -303,9 +392,11 @@ class _Program:
             batches = [(keras.utils.unpack_x_y_sample_weight(b)[0], None, None) for b in batches]
         stacked = self.stacker.stack(batches)
         args = self._place(state, stacked)
-        executable = self._executable(args)
+        executable = self._executable(args, stacked)
         if not pod.is_multi_worker():
-            return executable(*args), stacked
+            result = executable(*args)
+            self._bound_in_flight(result)
+            return result, stacked
         try:
             return jax.block_until_ready(executable(*args)), stacked
         except Exception as error:  # a collective with a worker that is gone

@@ -37,11 +37,7 @@ import numpy as np
 from keras import tree
 
 from keras_tpu import _keras_private, rewrite
-from keras_tpu.cluster import TPUClusterResolver, initialize_tpu_system
-from keras_tpu.mxu.numerics import canonical_precision
-from keras_tpu.mxu.routing import mxu_rule
-from keras_tpu.replicated_steps import ReplicatedSteps
-from keras_tpu.vector_unit import vector_unit_rule
+from keras_tpu.placement import Placement, installed_on
 
 _active = threading.local()
 
@@ -77,39 +73,6 @@ class PerReplica:
         return f"PerReplica({self.num_replicas} replicas of {shapes})"
 
 
-def _model_methods(strategy):
-    """The methods a model created under ``strategy`` gets (instance attributes shadow Keras')."""
-    def replicated(model):
-        steps = model.__dict__.get("_keras_tpu_steps")
-        if steps is None:
-            steps = ReplicatedSteps(model, strategy.layout, strategy.precision)
-            model.__dict__["_keras_tpu_steps"] = steps
-        return steps
-
-    def compile(model, *args, **kwargs):
-        type(model).compile(model, *args, **kwargs)
-        if model.steps_per_execution == 1:  # not set in compile: the strategy's applies
-            model.steps_per_execution = strategy.steps_per_execution
-
-    def make_train_function(model, force=False):
-        if model.train_function is None or force:
-            model.train_function = replicated(model).train_function(model.steps_per_execution)
-        return model.train_function
-
-    def make_test_function(model, force=False):
-        if model.test_function is None or force:
-            model.test_function = replicated(model).test_function(model.steps_per_execution)
-        return model.test_function
-
-    def make_predict_function(model, force=False):
-        if model.predict_function is None or force:
-            model.predict_function = replicated(model).predict_function(model.steps_per_execution)
-        return model.predict_function
-
-    return {"compile": compile, "make_train_function": make_train_function,
-            "make_test_function": make_test_function, "make_predict_function": make_predict_function}
-
-
 class TPUStrategy:
     """Data-parallel training on the simulated TPU, like ``tf.distribute.TPUStrategy``.
 
@@ -126,21 +89,30 @@ class TPUStrategy:
     """
 
     def __init__(self, tpu_cluster_resolver=None, steps_per_execution=1, precision="default"):
-        if tpu_cluster_resolver is None:
-            tpu_cluster_resolver = TPUClusterResolver()
-        if not isinstance(tpu_cluster_resolver, TPUClusterResolver):
-            raise TypeError("TPUStrategy needs a keras_tpu.TPUClusterResolver; "
-                            f"got {type(tpu_cluster_resolver).__name__}.")
-        if int(steps_per_execution) < 1:
-            raise ValueError(f"steps_per_execution must be >= 1; got {steps_per_execution}.")
-        self.resolver = tpu_cluster_resolver
-        self.topology = initialize_tpu_system(tpu_cluster_resolver)
-        self.layout = self.topology.layout
-        self.precision = canonical_precision(precision)
-        self.steps_per_execution = int(steps_per_execution)
+        self.placement = Placement(tpu_cluster_resolver, precision, steps_per_execution=steps_per_execution,
+                                   owner="TPUStrategy")
         self._models = weakref.WeakSet()
-        self._rule = rewrite.compose(mxu_rule(self.precision), vector_unit_rule())
         self._run_programs = {}
+
+    @property
+    def resolver(self):
+        return self.placement.resolver
+
+    @property
+    def topology(self):
+        return self.placement.topology
+
+    @property
+    def layout(self):
+        return self.placement.layout
+
+    @property
+    def precision(self):
+        return self.placement.precision
+
+    @property
+    def steps_per_execution(self):
+        return self.placement.steps_per_execution
 
     @property
     def num_replicas_in_sync(self):
@@ -165,22 +137,25 @@ class TPUStrategy:
             _active.strategy = None
 
     def _adopt(self, model):
-        if model.__dict__.get("_keras_tpu_strategy") not in (None, self):
-            return
-        model.__dict__["_keras_tpu_strategy"] = self
-        for name, method in _model_methods(self).items():
-            model.__dict__[name] = types.MethodType(method, model)  # instance methods shadow Keras'
+        if getattr(_active, "strategy", None) is not self:
+            return  # created in another thread, outside this thread's scope
+        if installed_on(model) is not None:
+            return  # already on a TPU (e.g. a model nested in another)
+        self.placement.install(model)
         self._models.add(model)
 
     def _check_compiled(self, model):
-        owner = model.__dict__.get("_keras_tpu_strategy")
+        if getattr(_active, "strategy", None) is not self:
+            return
+        installed = installed_on(model)
+        owner = None if installed is None else installed.placement
         if owner is None:
             raise ValueError(
                 f"Model {model.name!r} was created outside `strategy.scope()` but compiled inside it. Create "
                 f"the model inside the scope too (as with TensorFlow's TPUStrategy), or outside both to keep it "
                 f"on the CPU."
             )
-        if owner is not self:
+        if owner is not self.placement:
             raise ValueError(f"Model {model.name!r} belongs to another TPUStrategy; compile it under that "
                              f"strategy's scope.")
 
@@ -254,7 +229,7 @@ class TPUStrategy:
             args, kwargs = jax.tree.unflatten(treedef, leaves)
             return jax.tree.map(lambda a: jnp.asarray(a)[None], fn(*args, **kwargs))
 
-        return jax.jit(self.layout.per_core(rewrite.transform(core_fn, self._rule), (False, True), True))
+        return jax.jit(self.layout.per_core(rewrite.transform(core_fn, self.placement.rule), (False, True), True))
 
     def reduce(self, reduce_op, value, axis=None):
         """Combine a per-replica value: ``"SUM"`` or ``"MEAN"`` over replicas (and over ``axis``

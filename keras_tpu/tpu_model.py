@@ -21,15 +21,13 @@ stay between calls; ``sync_to_cpu``, ``get_weights`` and ``save_weights``
 copy them back to the CPU model.
 """
 
-import jax
 import keras
 
 from keras_tpu import _keras_private, pod, weights
 from keras_tpu._logging import logger
-from keras_tpu.cluster import TPUClusterResolver, initialize_tpu_system
-from keras_tpu.cores import CoreLayout
-from keras_tpu.mxu.numerics import canonical_precision
-from keras_tpu.replicated_steps import ReplicatedSteps, custom_step_methods
+from keras_tpu.placement import Placement, installed_on
+from keras_tpu.profile import profile as _profile
+from keras_tpu.replicated_steps import check_steps_supported
 
 
 class TPUDistributionStrategy:
@@ -44,27 +42,36 @@ class TPUDistributionStrategy:
             (bf16_3x) or ``"highest"`` (bf16_6x, close to float32).
 
     Example:
+        >>> from keras_tpu import TPUClusterResolver
         >>> strategy = TPUDistributionStrategy(TPUClusterResolver("grpc://10.0.0.2:8470"))
         >>> strategy.num_cores
         8
     """
 
     def __init__(self, tpu_cluster_resolver=None, using_single_core=False, precision="default"):
-        if tpu_cluster_resolver is None:
-            tpu_cluster_resolver = TPUClusterResolver()
-        if not isinstance(tpu_cluster_resolver, TPUClusterResolver):
-            raise TypeError("tpu_cluster_resolver must be a keras_tpu.TPUClusterResolver; "
-                            f"got {type(tpu_cluster_resolver).__name__}.")
-        self.resolver = tpu_cluster_resolver
-        self.topology = initialize_tpu_system(tpu_cluster_resolver)
-        self.precision = canonical_precision(precision)
+        self.placement = Placement(tpu_cluster_resolver, precision, num_cores=1 if using_single_core else None,
+                                   owner="TPUDistributionStrategy")
         self.using_single_core = bool(using_single_core)
-        self.layout = CoreLayout(1, devices=self.topology.layout.devices[:1]) if using_single_core \
-            else self.topology.layout
+
+    @property
+    def resolver(self):
+        return self.placement.resolver
+
+    @property
+    def topology(self):
+        return self.placement.topology
+
+    @property
+    def layout(self):
+        return self.placement.layout
+
+    @property
+    def precision(self):
+        return self.placement.precision
 
     @property
     def num_cores(self):
-        return self.layout.num_cores
+        return self.placement.num_cores
 
     def __repr__(self):
         return (f"TPUDistributionStrategy({self.topology.accelerator_type}, cores={self.num_cores}, "
@@ -95,7 +102,7 @@ class KerasTPUModel(keras.Model):
         super().__init__(name=cpu_model.name)
         self._cpu_model = cpu_model
         self._strategy = strategy
-        self._replicated = ReplicatedSteps(self, strategy.layout, strategy.precision)
+        strategy.placement.install(self, user_model=cpu_model)
         if cpu_model.built:
             self.built = True
         compile_args = _keras_private.compile_arguments(cpu_model)
@@ -132,31 +139,35 @@ class KerasTPUModel(keras.Model):
 
     def summary(self, *args, **kwargs):
         self._cpu_model.summary(*args, **kwargs)
-        layout, topology = self._strategy.layout, self._strategy.topology
-        line = (f"Runs on: TPU {topology.accelerator_type}, {layout.num_cores} core(s) "
-                f"({layout.describe()}), MXU precision {self._strategy.precision.name.lower()}")
-        (kwargs.get("print_fn") or print)(line)
+        (kwargs.get("print_fn") or print)(f"Runs on: {self._strategy.placement.describe()}")
 
-    # -- Keras' loops run our programs ----------------------------------------------------
+    # -- TF 1.x Keras' generator methods, on Keras 3's fit/evaluate/predict ----------------
 
-    def compile(self, *args, **kwargs):
-        """Like ``keras.Model.compile``; the TPU always runs compiled programs (``run_eagerly`` is ignored)."""
-        super().compile(*args, **kwargs)
+    def fit_generator(self, generator, steps_per_epoch=None, epochs=1, verbose=1, callbacks=None,
+                      validation_data=None, validation_steps=None, validation_freq=1, class_weight=None,
+                      max_queue_size=10, workers=1, use_multiprocessing=False, shuffle=True, initial_epoch=0):
+        """TF 1.x's ``fit_generator``: ``fit`` on a generator or ``keras.utils.PyDataset`` of batches.
 
-    def make_train_function(self, force=False):
-        if self.train_function is None or force:
-            self.train_function = self._replicated.train_function(self.steps_per_execution)
-        return self.train_function
+        ``max_queue_size``, ``workers`` and ``use_multiprocessing`` have no
+        effect here (Keras 3 takes them from a ``PyDataset``'s constructor).
 
-    def make_test_function(self, force=False):
-        if self.test_function is None or force:
-            self.test_function = self._replicated.test_function(self.steps_per_execution)
-        return self.test_function
+        Example:
+            >>> history = tpu_model.fit_generator(batches(), steps_per_epoch=10, epochs=2)   # doctest: +SKIP
+        """
+        return self.fit(generator, steps_per_epoch=steps_per_epoch, epochs=epochs, verbose=verbose,
+                        callbacks=callbacks, validation_data=validation_data, validation_steps=validation_steps,
+                        validation_freq=validation_freq, class_weight=class_weight, shuffle=shuffle,
+                        initial_epoch=initial_epoch)
 
-    def make_predict_function(self, force=False):
-        if self.predict_function is None or force:
-            self.predict_function = self._replicated.predict_function(self.steps_per_execution)
-        return self.predict_function
+    def evaluate_generator(self, generator, steps=None, callbacks=None, max_queue_size=10, workers=1,
+                           use_multiprocessing=False, verbose=0):
+        """TF 1.x's ``evaluate_generator``: ``evaluate`` on a generator of ``(x, y)`` batches."""
+        return self.evaluate(generator, steps=steps, callbacks=callbacks, verbose=verbose)
+
+    def predict_generator(self, generator, steps=None, callbacks=None, max_queue_size=10, workers=1,
+                          use_multiprocessing=False, verbose=0):
+        """TF 1.x's ``predict_generator``: ``predict`` on a generator of input batches."""
+        return self.predict(generator, steps=steps, callbacks=callbacks, verbose=verbose)
 
     # -- weights --------------------------------------------------------------------------
 
@@ -173,8 +184,8 @@ class KerasTPUModel(keras.Model):
             >>> cpu_model = tpu_model.sync_to_cpu()      # doctest: +SKIP
         """
         self.jax_state_sync()
-        on_cores = [v for v in self._host_variables()
-                    if isinstance(v.value, jax.Array) and len(v.value.sharding.device_set) > 1]
+        layout = self._strategy.layout
+        on_cores = [v for v in self._host_variables() if layout.holds(v.value)]
         if on_cores:
             logger.info("Copying TPU weights to the CPU")
             for variable, value in zip(on_cores, pod.to_host([v.value for v in on_cores])):
@@ -202,18 +213,12 @@ class KerasTPUModel(keras.Model):
         weights.load_weights(self._cpu_model, filepath, **kwargs)
 
     def profile(self, batch_size=None, accelerator_type=None, dataset_size=None):
-        """The :class:`keras_tpu.profile.TPUProfile` of this model on its TPU (see :func:`keras_tpu.profile`).
+        """The :class:`keras_tpu.TPUProfile` of this model on its TPU (see :func:`keras_tpu.profile`).
 
         Defaults: the global batch of the last ``fit`` (else 128 per core) and this strategy's
         accelerator type.
         """
-        from keras_tpu.profile import profile
-
-        program = self._replicated.last_programs.get("train")
-        batch_size = batch_size or (program.stacker.global_batch if program else None)
-        return profile(self, batch_size=batch_size,
-                       accelerator_type=accelerator_type or self._strategy.topology.accelerator_type,
-                       num_cores=self._strategy.num_cores, dataset_size=dataset_size)
+        return _profile(self, batch_size=batch_size, accelerator_type=accelerator_type, dataset_size=dataset_size)
 
     def export(self, path):
         """Write the inference function (MXU numerics, any batch size) and its weights with
@@ -250,14 +255,9 @@ def keras_to_tpu_model(model, strategy=None):
     if not isinstance(model, keras.Model):
         raise TypeError(f"keras_to_tpu_model needs a Keras model (keras.Model, keras.Sequential or a subclass); "
                         f"got {type(model).__module__}.{type(model).__name__}.")
-    if isinstance(model, KerasTPUModel):
+    if isinstance(model, KerasTPUModel) or installed_on(model) is not None:
         raise ValueError("This model already runs on the TPU.")
-    custom = custom_step_methods(model)
-    if custom:
-        raise ValueError(
-            f"{type(model).__name__} replaces Keras' {', '.join(custom)}, which keras_tpu cannot split over "
-            f"the TPU cores. Put the custom logic in `compute_loss` or in layers."
-        )
+    check_steps_supported(model)
     own = _keras_private.overridden_methods(model, ("compute_loss", "compute_metrics"))
     if own:
         raise ValueError(
@@ -272,5 +272,3 @@ def keras_to_tpu_model(model, strategy=None):
         raise TypeError(f"strategy must be a keras_tpu.TPUDistributionStrategy; got {type(strategy).__name__}.")
     return KerasTPUModel(model, strategy)
 
-
-tpu_model = keras_to_tpu_model

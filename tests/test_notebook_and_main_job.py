@@ -74,7 +74,7 @@ np.save(sys.argv[2], np.concatenate([w.ravel() for w in tpu.get_weights()]))
             done = subprocess.run([sys.executable, "-c", code, devices, path], capture_output=True, text=True,
                                   cwd=REPO, timeout=600)
             assert done.returncode == 0, done.stderr[-2000:]
-            assert f"CPD {8 // int(devices)}" in done.stdout
+            assert "CPD 8" in done.stdout  # one device holds the eight cores either way
             results[devices] = np.load(path)
         finally:
             if os.path.exists(path):

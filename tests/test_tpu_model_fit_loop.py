@@ -134,9 +134,10 @@ def test_dropout_draws_a_different_mask_on_every_core():
     non_trainable = [v.value for v in model.non_trainable_variables]
 
     def core_fn(x):
-        seeds = steps._seed_offsets(non_trainable, +1)
+        core = steps.layout.core_index()
+        seeds = steps._offset_seeds(non_trainable, core, +1)
         out, new_state = model.stateless_call(trainable, seeds, x, training=True)
-        restored = steps._seed_offsets(new_state, -1)
+        restored = steps._offset_seeds(new_state, core, -1)
         return out, restored[0]
 
     run = jax.jit(steps.layout.per_core(core_fn, (True,), (True, False)))

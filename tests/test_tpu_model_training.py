@@ -1,11 +1,13 @@
 """keras_to_tpu_model: training, evaluation and prediction match the CPU model."""
 
+import logging
+
 import keras
 import numpy as np
 import pytest
 
 import keras_tpu
-from tests.tpu_helpers import assert_weights_close, classification_data, on_tpu, small_classifier
+from tests.tpu_helpers import assert_weights_close, classification_data, compiled_programs, on_tpu, small_classifier
 
 
 def test_refuses_what_is_not_a_keras_model():
@@ -106,24 +108,25 @@ def test_evaluate_and_predict_are_exact_with_any_batch_and_data_size():
         np.testing.assert_allclose(predicted, cpu.predict(x[:rows], batch_size=64, verbose=0), atol=1e-6)
 
 
-def test_partial_batches_never_recompile():
+def test_partial_batches_never_recompile(caplog):
+    caplog.set_level(logging.INFO, logger="keras_tpu")
     x, y = classification_data(200)
     tpu = on_tpu(small_classifier(), "default")
     tpu.fit(x, y, batch_size=64, epochs=2, verbose=0)
     tpu.evaluate(x, y, batch_size=64, verbose=0)
     tpu.predict(x[:150], batch_size=64, verbose=0)
-    programs = tpu._replicated.last_programs
-    assert {mode: len(p._executables) for mode, p in programs.items()} == {"train": 1, "test": 1, "predict": 1}
+    assert compiled_programs(caplog) == [("train", 64, 1), ("test", 64, 1), ("predict", 64, 1)]
 
 
-def test_a_batch_that_does_not_split_over_8_cores_is_padded():
+def test_a_batch_that_does_not_split_over_8_cores_is_padded(caplog):
+    caplog.set_level(logging.INFO, logger="keras_tpu")
     x, y = classification_data(250)
     cpu, reference = small_classifier(), small_classifier()
     tpu = on_tpu(cpu, "highest")
     got = tpu.fit(x, y, batch_size=100, epochs=1, shuffle=False, verbose=0).history["loss"]
     want = reference.fit(x, y, batch_size=100, epochs=1, shuffle=False, verbose=0).history["loss"]
     np.testing.assert_allclose(got, want, rtol=2e-6)
-    assert tpu._replicated.last_programs["train"].stacker.global_batch == 104  # 8 cores x 13 rows
+    assert compiled_programs(caplog) == [("train", 104, 1)]  # 8 cores x 13 rows
 
 
 def test_optimizer_state_survives_successive_fit_calls():
@@ -136,16 +139,17 @@ def test_optimizer_state_survives_successive_fit_calls():
     assert_weights_close(tpu.get_weights(), reference.get_weights(), atol=1e-6)
 
 
-def test_steps_per_execution_runs_several_steps_per_device_call():
+def test_steps_per_execution_runs_several_steps_per_device_call(caplog):
+    caplog.set_level(logging.INFO, logger="keras_tpu")
     x, y = classification_data(10 * 32)
     cpu = small_classifier(steps_per_execution=4)
     tpu, reference = on_tpu(cpu, "highest"), small_classifier()
     tpu.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
     reference.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
-    program = tpu._replicated.last_programs["train"]
-    assert program.stacker.steps == 4 and len(program._executables) == 1
+    # 4 + 4 + 2: the last call runs a program of two steps (compiled once), not four with two idle.
+    assert compiled_programs(caplog) == [("train", 32, 4), ("train", 32, 2)]
     assert_weights_close(tpu.get_weights(), reference.get_weights(), atol=1e-6)
-    assert int(tpu.optimizer.iterations.value) == 10  # 4 + 4 + 2: the last call skips two steps
+    assert int(tpu.optimizer.iterations.value) == 10
     np.testing.assert_allclose(tpu.predict(x, batch_size=32, verbose=0), reference.predict(x, verbose=0), atol=1e-6)
 
 

@@ -1,5 +1,7 @@
 """TPUStrategy: models built under its scope train on the TPU; run/reduce for custom loops."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import keras
@@ -7,7 +9,8 @@ import numpy as np
 import pytest
 
 import keras_tpu
-from tests.tpu_helpers import assert_weights_close, classification_data, small_classifier
+from keras_tpu.placement import installed_on
+from tests.tpu_helpers import assert_weights_close, classification_data, compiled_programs, small_classifier
 
 
 @pytest.fixture
@@ -18,7 +21,8 @@ def strategy():
     return keras_tpu.TPUStrategy(resolver, precision="highest")
 
 
-def test_models_built_under_the_scope_run_on_the_tpu(strategy):
+def test_models_built_under_the_scope_run_on_the_tpu(strategy, caplog):
+    caplog.set_level(logging.INFO, logger="keras_tpu")
     assert strategy.num_replicas_in_sync == 8
     x, y = classification_data(200)
     with strategy.scope():
@@ -29,8 +33,8 @@ def test_models_built_under_the_scope_run_on_the_tpu(strategy):
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=2e-6)
     assert_weights_close(model.get_weights(), reference.get_weights(), atol=1e-6)
-    assert "train" in model._keras_tpu_steps.last_programs            # it ran our program...
-    assert "_keras_tpu_steps" not in reference.__dict__               # ...the CPU model did not
+    assert installed_on(model) is not None and installed_on(reference) is None  # only one runs on the TPU
+    assert compiled_programs(caplog) == [("train", 64, 1)]  # our program ran (the CPU model's did not log)
     with strategy.scope():  # evaluate and predict inside the scope work too
         scores = model.evaluate(x, y, batch_size=64, verbose=0, return_dict=True)
         predictions = model.predict(x[:13], verbose=0)
@@ -38,7 +42,8 @@ def test_models_built_under_the_scope_run_on_the_tpu(strategy):
     np.testing.assert_allclose(predictions, reference.predict(x[:13], verbose=0), atol=1e-6)
 
 
-def test_subclassed_models_and_compile_inside_or_outside(strategy):
+def test_subclassed_models_and_compile_inside_or_outside(strategy, caplog):
+    caplog.set_level(logging.INFO, logger="keras_tpu")
     class TwoLayers(keras.Model):
         def __init__(self):
             super().__init__()
@@ -52,7 +57,7 @@ def test_subclassed_models_and_compile_inside_or_outside(strategy):
         model = TwoLayers()
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # compiled outside
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
-    assert "train" in model._keras_tpu_steps.last_programs
+    assert compiled_programs(caplog) == [("train", 32, 1)]
 
 
 def test_a_models_own_compute_loss_runs_on_the_tpu(strategy):
@@ -97,14 +102,15 @@ def test_nested_and_mixed_scopes_are_refused(strategy):
             inside_other.compile("adam", "mse")
 
 
-def test_steps_per_execution_from_the_strategy():
+def test_steps_per_execution_from_the_strategy(caplog):
+    caplog.set_level(logging.INFO, logger="keras_tpu")
     strategy = keras_tpu.TPUStrategy(steps_per_execution=3)
     with strategy.scope():
         model = small_classifier()
     x, y = classification_data(7 * 16)
     history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
-    program = model._keras_tpu_steps.last_programs["train"]
-    assert model.steps_per_execution == 3 and program.stacker.steps == 3
+    # 7 batches an epoch: 3 + 3 + 1 steps per call.
+    assert model.steps_per_execution == 3 and compiled_programs(caplog) == [("train", 16, 3), ("train", 16, 1)]
     assert int(model.optimizer.iterations.value) == 14 and len(history.history["loss"]) == 2
 
 

@@ -1,5 +1,7 @@
 """Small models and data shared by the TPU-model tests."""
 
+import re
+
 import keras
 import numpy as np
 
@@ -31,3 +33,17 @@ def assert_weights_close(first, second, atol):
     assert len(first) == len(second)
     for a, b in zip(first, second):
         np.testing.assert_allclose(a, b, rtol=0, atol=atol)
+
+
+_COMPILED = re.compile(r"Compiled the TPU (\w+) program \(global batch (\d+)(?:, (\d+) real rows)?, (\d+) step\(s\)")
+
+
+def compiled_programs(caplog):
+    """The TPU programs compiled while ``caplog`` recorded, from the log lines a user sees:
+    a list of ``(mode, global_batch, steps_per_call)``."""
+    found = []
+    for record in caplog.records:
+        match = _COMPILED.search(record.getMessage())
+        if match:
+            found.append((match.group(1), int(match.group(2)), int(match.group(4))))
+    return found

@@ -1,0 +1,171 @@
+"""One placement path from a TPU address to TPU programs on a Keras model.
+
+Every front end (``keras_to_tpu_model``, ``TPUStrategy``, ``TPUEstimator``)
+makes the same decisions in the same order, here:
+
+    resolver -> topology -> core layout -> MXU precision -> programs on the model
+
+A :class:`Placement` resolves the (simulated) TPU, starts it with
+:func:`keras_tpu.cluster.initialize_tpu_system`, picks the cores to use and
+the MXU precision, and :meth:`Placement.install` gives a Keras model its TPU
+programs: Keras' ``make_train_function``/``make_test_function``/
+``make_predict_function`` return the replicated programs of
+:class:`keras_tpu.replicated_steps.ReplicatedSteps`, so Keras' own ``fit``,
+``evaluate`` and ``predict`` loops run on the TPU. (Keras 3's
+``keras.distribution.Distribution`` plays the same role for its own
+data-parallel layouts: one object the trainer asks for placement.)
+"""
+
+import dataclasses
+import types
+
+from keras_tpu.cluster import TPUClusterResolver, initialize_tpu_system
+from keras_tpu.cores import CoreLayout
+from keras_tpu.mxu.numerics import canonical_precision
+from keras_tpu.replicated_steps import ReplicatedSteps, program_rule
+
+_INSTALLED = "_keras_tpu_installed"  # the model's __dict__ key for its Installation
+
+
+class Placement:
+    """Where and how models run on the simulated TPU.
+
+    Args:
+        resolver: a :class:`keras_tpu.TPUClusterResolver` (default: the local
+            simulated v2-8).
+        precision: the MXU precision of the models' matrix products
+            (``"default"``, ``"high"`` or ``"highest"``).
+        num_cores: use only the first ``num_cores`` cores (default: all).
+        on_mxu: False runs the same programs with float32 matrix products on
+            one CPU core and does not start the TPU system (the CPU baseline
+            of ``TPUEstimator(use_tpu=False)``).
+        steps_per_execution: steps per device call for models whose
+            ``compile`` does not set ``steps_per_execution``.
+        owner: the API name used in error messages.
+
+    Example:
+        >>> placement = Placement(TPUClusterResolver("grpc://10.0.0.2:8470"))
+        >>> placement.num_cores, placement.precision.name
+        (8, 'DEFAULT')
+    """
+
+    def __init__(self, resolver=None, precision="default", num_cores=None, on_mxu=True, steps_per_execution=1,
+                 owner="TPUStrategy"):
+        if resolver is None:
+            resolver = TPUClusterResolver()
+        if not isinstance(resolver, TPUClusterResolver):
+            raise TypeError(f"{owner} needs a keras_tpu.TPUClusterResolver; got {type(resolver).__name__}. "
+                            f"Create one with keras_tpu.TPUClusterResolver(tpu) (tpu: the TPU's name or "
+                            f"grpc:// address, or nothing for the local simulated TPU).")
+        if isinstance(steps_per_execution, bool) or not isinstance(steps_per_execution, int) \
+                or steps_per_execution < 1:
+            raise ValueError(f"steps_per_execution must be a positive integer; got {steps_per_execution!r}.")
+        self.resolver = resolver
+        self.precision = canonical_precision(precision)
+        self.on_mxu = bool(on_mxu)
+        self.steps_per_execution = steps_per_execution
+        if on_mxu:
+            self.topology = initialize_tpu_system(resolver)
+            layout = self.topology.layout
+        else:  # the CPU: one core, float32, no TPU system
+            self.topology = None
+            layout = CoreLayout(1)
+        if num_cores is not None and num_cores != layout.num_cores:
+            if isinstance(num_cores, bool) or not isinstance(num_cores, int) or num_cores < 1:
+                raise ValueError(f"num_cores must be a positive integer; got {num_cores!r}.")
+            if not self.on_mxu:
+                raise ValueError("A CPU placement has one core.")
+            layout = layout.sub_layout(num_cores)
+        self.layout = layout
+
+    @property
+    def num_cores(self):
+        return self.layout.num_cores
+
+    @property
+    def rule(self):
+        """The rewrite rule of this placement's programs (see :func:`keras_tpu.replicated_steps.program_rule`)."""
+        return program_rule(self.precision, self.on_mxu)
+
+    @property
+    def accelerator_type(self):
+        return self.topology.accelerator_type if self.topology is not None else None
+
+    def describe(self):
+        """One line: the accelerator, cores, their host layout and the MXU precision."""
+        if self.topology is None:
+            return f"CPU, 1 core ({self.layout.describe()}), float32 matrix products"
+        return (f"TPU {self.topology.accelerator_type}, {self.num_cores} core(s) ({self.layout.describe()}), "
+                f"MXU precision {self.precision.name.lower()}")
+
+    def steps_for(self, model):
+        """The :class:`ReplicatedSteps` that run ``model`` on these cores (made once per model)."""
+        installed = installed_on(model)
+        if installed is not None and installed.placement is self:
+            if installed.steps is None:
+                installed.steps = ReplicatedSteps(model, self.layout, self.precision, on_mxu=self.on_mxu)
+            return installed.steps
+        return ReplicatedSteps(model, self.layout, self.precision, on_mxu=self.on_mxu)
+
+    def install(self, model, user_model=None):
+        """Give ``model`` this placement's TPU programs for Keras' ``fit``/``evaluate``/``predict``.
+
+        ``user_model`` is the model whose methods the user wrote, when it is
+        not ``model`` itself (``keras_to_tpu_model`` wraps the CPU model).
+        Instance attributes shadow Keras' methods, so only this model changes.
+
+        Example:
+            >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])   # doctest: +SKIP
+            >>> Placement().install(model)                                            # doctest: +SKIP
+        """
+        model.__dict__[_INSTALLED] = Installation(self, user_model or model)
+        for name, method in _model_methods(self).items():
+            model.__dict__[name] = types.MethodType(method, model)
+
+    def __repr__(self):
+        return f"Placement({self.describe()})"
+
+
+@dataclasses.dataclass
+class Installation:
+    """What :meth:`Placement.install` recorded on a model."""
+
+    placement: Placement
+    user_model: object          # the model the user built (the CPU model of keras_to_tpu_model)
+    steps: ReplicatedSteps = None
+
+
+def installed_on(model):
+    """The :class:`Installation` of a model that runs on the TPU, or ``None`` for a CPU model.
+
+    Example:
+        >>> installed_on(keras.Sequential()) is None    # doctest: +SKIP
+        True
+    """
+    return getattr(model, "__dict__", {}).get(_INSTALLED)
+
+
+def _model_methods(placement):
+    """The methods an installed model gets (instance attributes shadow Keras')."""
+    def compile(model, *args, **kwargs):
+        type(model).compile(model, *args, **kwargs)
+        if "steps_per_execution" not in kwargs:  # the placement's default applies
+            model.steps_per_execution = placement.steps_per_execution
+
+    def make_train_function(model, force=False):
+        if model.train_function is None or force:
+            model.train_function = placement.steps_for(model).train_function(model.steps_per_execution)
+        return model.train_function
+
+    def make_test_function(model, force=False):
+        if model.test_function is None or force:
+            model.test_function = placement.steps_for(model).test_function(model.steps_per_execution)
+        return model.test_function
+
+    def make_predict_function(model, force=False):
+        if model.predict_function is None or force:
+            model.predict_function = placement.steps_for(model).predict_function(model.steps_per_execution)
+        return model.predict_function
+
+    return {"compile": compile, "make_train_function": make_train_function,
+            "make_test_function": make_test_function, "make_predict_function": make_predict_function}

@@ -1,0 +1,118 @@
+"""Sequence models: losses per row and time step train, evaluate, predict and profile exactly on the TPU.
+
+The padding mask of a partial batch follows the loss's shape: a padding row is
+masked at every time step, and user sample weights may be per row or per row
+and time step (Keras' "temporal" sample weights).
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_tpu
+from tests.tpu_helpers import assert_weights_close, on_tpu
+
+VOCAB, STEPS = 12, 9
+
+
+def char_lstm(seed=0):
+    """The Shakespeare notebook's model, small: Embedding -> 2 x LSTM(return_sequences) -> TimeDistributed."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((STEPS,), dtype="int32", name="seed")
+    h = keras.layers.Embedding(VOCAB, 8)(inputs)
+    h = keras.layers.LSTM(16, return_sequences=True)(h)
+    h = keras.layers.LSTM(16, return_sequences=True)(h)
+    outputs = keras.layers.TimeDistributed(keras.layers.Dense(VOCAB, activation="softmax"))(h)
+    model = keras.Model(inputs, outputs, name="char_lstm")
+    model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy",
+                  metrics=["sparse_categorical_accuracy"])
+    return model
+
+
+def text_windows(rows, seed=0):
+    """Windows of a repetitive character stream; the target is the next character at every step."""
+    rng = np.random.default_rng(seed)
+    stream = np.tile(np.arange(VOCAB), 4 * rows)
+    starts = rng.integers(0, VOCAB, rows)
+    x = np.stack([stream[s:s + STEPS] for s in starts]).astype("int32")
+    y = np.stack([stream[s + 1:s + STEPS + 1] for s in starts])[..., None]  # (rows, steps, 1), as the notebook
+    return x, y
+
+
+def batches(x, y, batch_size, sample_weight=None):
+    while True:  # an endless generator of batches, as the notebook's training generator
+        for start in range(0, len(x), batch_size):
+            part = slice(start, start + batch_size)
+            yield (x[part], y[part]) if sample_weight is None else (x[part], y[part], sample_weight[part])
+
+
+@pytest.mark.slow
+def test_char_lstm_trains_from_a_generator_like_the_cpu_model():
+    x, y = text_windows(100)  # batches of 24: 4 of them, the last one partial (4 rows)
+    tpu, reference = on_tpu(char_lstm(), "highest"), char_lstm()
+    got = tpu.fit(batches(x, y, 24), steps_per_epoch=5, epochs=2, verbose=0).history
+    want = reference.fit(batches(x, y, 24), steps_per_epoch=5, epochs=2, verbose=0).history
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+    np.testing.assert_allclose(got["sparse_categorical_accuracy"], want["sparse_categorical_accuracy"], rtol=1e-5)
+    assert got["loss"][-1] < got["loss"][0]
+    assert_weights_close(tpu.get_weights(), reference.get_weights(), atol=2e-5)
+    # Evaluation and prediction with a partial last batch (100 = 3 x 30 + 10).
+    assert tpu.evaluate(x, y, batch_size=30, verbose=0) == pytest.approx(
+        reference.evaluate(x, y, batch_size=30, verbose=0), rel=1e-5)
+    predicted = tpu.predict(x, batch_size=30, verbose=0)
+    assert predicted.shape == (100, STEPS, VOCAB)
+    np.testing.assert_allclose(predicted, reference.predict(x, batch_size=30, verbose=0), atol=1e-5)
+
+
+@pytest.mark.parametrize("weights", ["per_row", "per_step"])
+def test_a_tagger_with_per_row_or_per_step_sample_weights(weights):
+    """A per-token tagger (Keras' sample_weight_mode="temporal" style weights are 2-D)."""
+    def tagger():
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((STEPS,), dtype="int32")
+        h = keras.layers.Embedding(VOCAB, 8)(inputs)
+        h = keras.layers.Bidirectional(keras.layers.GRU(8, return_sequences=True))(h)
+        model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(h))
+        model.compile("adam", "sparse_categorical_crossentropy", weighted_metrics=["sparse_categorical_accuracy"])
+        return model
+
+    x, _ = text_windows(60, seed=2)
+    y = (x % 3)[..., None]
+    rng = np.random.default_rng(3)
+    # Per row: (rows, 1), which Keras broadcasts over the time steps (a (rows,) weight it refuses, on the CPU too).
+    sample_weight = (rng.random((60, 1)) if weights == "per_row" else rng.random((60, STEPS)) > 0.3).astype("float32")
+    tpu, reference = on_tpu(tagger(), "highest"), tagger()
+    got = tpu.fit(x, y, sample_weight=sample_weight, batch_size=25, epochs=2, shuffle=False, verbose=0).history
+    want = reference.fit(x, y, sample_weight=sample_weight, batch_size=25, epochs=2, shuffle=False,
+                         verbose=0).history
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5)
+    assert tpu.evaluate(x, y, sample_weight=sample_weight, batch_size=25, verbose=0) == pytest.approx(
+        reference.evaluate(x, y, sample_weight=sample_weight, batch_size=25, verbose=0), rel=1e-5)
+
+
+def test_mean_squared_error_per_time_step_under_tpu_strategy():
+    def regressor():
+        keras.utils.set_random_seed(4)
+        model = keras.Sequential([keras.Input((STEPS, 2)), keras.layers.SimpleRNN(6, return_sequences=True),
+                                  keras.layers.Dense(2)])
+        model.compile(keras.optimizers.SGD(0.05), "mse", metrics=["mae"])
+        return model
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((44, STEPS, 2)).astype("float32")
+    y = np.cumsum(x, axis=1) * 0.1
+    with keras_tpu.TPUStrategy(precision="highest").scope():
+        model = regressor()
+    reference = regressor()
+    got = model.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0).history
+    want = reference.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0).history
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5)
+
+
+def test_profile_of_a_model_with_a_loss_per_time_step():
+    report = keras_tpu.profile(char_lstm(), batch_size=64)
+    layers = {row["layer"] for row in report.rows("train")}
+    assert any(name.startswith("lstm") for name in layers) and any("time_distributed" in n for n in layers)
+    assert report.step_time("train") > report.step_time("inference") > 0
