@@ -15,10 +15,12 @@ highest    ``float32``                     6     lo*hi + mid*mid + hi*lo + mid*h
 =========  ============================  ======  =====================================
 
 The product of two bfloat16 numbers (8-bit significands) is exact in float32
-(24-bit significand), so multiplying the rounded values in float32 gives
-exactly the MXU's products; XLA:CPU then accumulates in float32. (Doing the
-same with bfloat16 operands directly is avoided: XLA:CPU does not handle every
-bf16 x bf16 -> f32 dot.)
+(24-bit significand), so a pass is either a float32 product of the rounded
+values or a bf16 x bf16 -> float32 product; both give exactly the MXU's
+products and accumulate in float32. Which of the two XLA:CPU runs faster
+depends on the host and the op's layout: :mod:`keras_tpu.mxu.kernels`
+chooses, and :func:`multipass` hands the passes their operands in the dtype
+the chosen form takes.
 """
 
 import enum
@@ -94,18 +96,24 @@ def round_to_bfloat16(x):
     return x.astype(jnp.bfloat16).astype(jnp.float32)
 
 
-def split_bfloat16(x, parts):
-    """Split ``x`` into ``parts`` bfloat16-valued float32 arrays whose sum approximates ``x``.
+def split_bfloat16(x, parts, dtype=jnp.float32):
+    """Split ``x`` into ``parts`` bfloat16-valued arrays whose sum approximates ``x``.
 
     The first part is ``x`` rounded to bfloat16, each next part the rounded
     remainder, so three parts carry all 24 bits of a float32 significand.
+    The parts are returned as ``dtype`` (float32 or bfloat16; either holds
+    them exactly).
     """
+    if x.dtype == jnp.bfloat16:
+        # Already bf16: one part is exact, the others are zero.
+        return [x.astype(dtype)] + [jnp.zeros_like(x, dtype) for _ in range(parts - 1)]
     x = x.astype(jnp.float32)
     pieces = []
-    for _ in range(parts):
-        piece = round_to_bfloat16(x)
-        pieces.append(piece)
-        x = x - piece
+    for i in range(parts):
+        piece = x.astype(jnp.bfloat16)
+        pieces.append(piece.astype(dtype))
+        if i + 1 < parts:
+            x = x - piece.astype(jnp.float32)
     return pieces
 
 
@@ -120,18 +128,24 @@ PASS_PRODUCTS = {
 _PARTS = {Precision.DEFAULT: 1, Precision.HIGH: 2, Precision.HIGHEST: 3}
 
 
-def multipass(bilinear, lhs, rhs, precision):
+def multipass(bilinear, lhs, rhs, precision, operand_dtype=jnp.float32):
     """Evaluate ``bilinear(lhs, rhs)`` as the MXU does at ``precision``.
 
-    ``bilinear`` must be a float32 bilinear op (a dot or a convolution)
-    called on bfloat16-valued float32 operands; the passes are summed in
+    ``bilinear`` must be a bilinear op (a dot or a convolution) computing
+    exact products and float32 sums of its bfloat16-valued operands, given
+    as ``operand_dtype`` (float32 or bfloat16); the passes are summed in
     float32.
     """
     precision = canonical_precision(precision)
-    lhs_parts = split_bfloat16(lhs, _PARTS[precision])
-    rhs_parts = split_bfloat16(rhs, _PARTS[precision])
+    lhs_parts = split_bfloat16(lhs, _PARTS[precision], operand_dtype)
+    rhs_parts = split_bfloat16(rhs, _PARTS[precision], operand_dtype)
+    # A bfloat16 operand has no lo/mid parts: skip the passes that would multiply zeros.
+    used_l = 1 if lhs.dtype == jnp.bfloat16 else len(lhs_parts)
+    used_r = 1 if rhs.dtype == jnp.bfloat16 else len(rhs_parts)
     total = None
     for i, j in PASS_PRODUCTS[precision]:
+        if i >= used_l or j >= used_r:
+            continue
         product = bilinear(lhs_parts[i], rhs_parts[j])
         total = product if total is None else total + product
     return total

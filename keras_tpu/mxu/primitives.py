@@ -12,12 +12,16 @@ of MXU code stay on the MXU. Like ``jax/_src/lax/convolution.py``, this
 module keeps each primitive's rules beside it, including the rewrite rule
 that replaces the plain op by the primitive (:func:`mxu_rule`) and
 :func:`route`, which the transpose and batching rules need; the public
-routing module :mod:`keras_tpu.mxu.routing` re-exports them. (So this module
-imports nothing of the MXU package but :mod:`keras_tpu.mxu.numerics`.)
+routing module :mod:`keras_tpu.mxu.routing` re-exports them. (So of the MXU
+package this module imports only :mod:`~keras_tpu.mxu.numerics` and
+:mod:`~keras_tpu.mxu.kernels`.)
 
-Lowering: the arithmetic is done by XLA on bfloat16-rounded float32
-operands (exact products, float32 accumulation). A convolution is lowered to
-XLA's own convolution rather than an explicit im2col GEMM: the numbers are the
+Lowering: each bf16 pass is one XLA dot or convolution with exact products
+and float32 accumulation, in the form :mod:`keras_tpu.mxu.kernels` chooses
+for the op's layout and shape on this host (bf16 operands with a float32
+result, or bfloat16-rounded float32 operands; see there for the measured
+numbers). A convolution is lowered to XLA's own convolution rather than an
+explicit im2col GEMM: the numbers are the
 same up to float32 summation order, and XLA:CPU's convolution is several times
 faster than materialising the im2col matrix. The im2col mapping onto the
 array is what the cost model (:mod:`keras_tpu.mxu.cost`) and the reference
@@ -33,30 +37,37 @@ from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
 from keras_tpu import rewrite
+from keras_tpu.mxu import kernels
 from keras_tpu.mxu.numerics import Precision, canonical_precision, is_mxu_dtype, multipass, op_precision
 
 
-def _f32_dot(dimension_numbers):
-    return lambda a, b: lax.dot_general(a, b, dimension_numbers, precision=lax.Precision.HIGHEST,
-                                        preferred_element_type=jnp.float32)
+def _dot_pass(lhs, rhs, out_shape, dimension_numbers):
+    """The chosen form of one bf16 pass of this dot: ``(form, pass function)``."""
+    layout = kernels.dot_layout(lhs.ndim, rhs.ndim, dimension_numbers)
+    form = kernels.choose_form("dot", layout, kernels.dot_gemm(lhs.shape, rhs.shape, dimension_numbers))
+    return form, lambda a, b: kernels.dot_pass(a, b, dimension_numbers, form)
 
 
-def _f32_conv(window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
-              feature_group_count, batch_group_count):
-    return lambda a, b: lax.conv_general_dilated(
-        a, b, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
-        feature_group_count, batch_group_count, precision=lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32)
+def _conv_pass(lhs, rhs, out_shape, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+               feature_group_count, batch_group_count):
+    """The chosen form of one bf16 pass of this convolution: ``(form, pass function)``."""
+    geometry = dict(window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation,
+                    rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+                    feature_group_count=feature_group_count, batch_group_count=batch_group_count)
+    gemm = kernels.conv_gemm(lhs.shape, rhs.shape, out_shape, dimension_numbers, feature_group_count,
+                             batch_group_count)
+    form = kernels.choose_form("conv", kernels.conv_layout(dimension_numbers), gemm)
+    return form, lambda a, b: kernels.conv_pass(a, b, geometry, form)
 
 
 class _MXUPrimitive:
     """One MXU primitive: the plain lax op it replaces and how to run it on the MXU."""
 
-    def __init__(self, name, plain_primitive, plain_fn, f32_op):
+    def __init__(self, name, plain_primitive, plain_fn, pass_fn):
         self.primitive = jex_core.Primitive(name)
         self.plain_primitive = plain_primitive
         self.plain_fn = plain_fn      # (lhs, rhs, **plain_params) -> lax op
-        self.f32_op = f32_op          # (**geometry params) -> bilinear float32 op
+        self.pass_fn = pass_fn        # (lhs, rhs, out_shape, **geometry params) -> (form, one bf16 pass)
         p = self.primitive
         p.def_impl(self._eager)
         p.def_abstract_eval(self._abstract_eval)
@@ -78,12 +89,13 @@ class _MXUPrimitive:
     def _compute(self, lhs, rhs, **params):
         precision, plain = self.split_params(params)
         geometry = {k: v for k, v in plain.items() if k not in ("preferred_element_type", "out_sharding")}
-        result = multipass(self.f32_op(**geometry), lhs, rhs, precision)
-        out_dtype = self._abstract_eval(jax.typeof(lhs), jax.typeof(rhs), **params).dtype
-        return result.astype(out_dtype)
+        out = self._abstract_eval(jax.typeof(lhs), jax.typeof(rhs), **params)
+        form, one_pass = self.pass_fn(lhs, rhs, out.shape, **geometry)
+        result = multipass(one_pass, lhs, rhs, precision, kernels.operand_dtype(form))
+        return result.astype(out.dtype)
 
     def _eager(self, lhs, rhs, **params):
-        return _jitted(self, _freeze(params))(lhs, rhs)
+        return _jitted(self, _freeze(params), kernels.choice_key())(lhs, rhs)
 
     def _transpose_rule(self, operand):
         def rule(cotangent, lhs, rhs, **params):
@@ -113,7 +125,7 @@ def _freeze(params):
 
 
 @functools.lru_cache(maxsize=512)
-def _jitted(op, frozen_params):
+def _jitted(op, frozen_params, choice_key):  # choice_key: the kernel-form settings the program is lowered with
     params = dict(frozen_params)
     return jax.jit(lambda lhs, rhs: op.primitive.bind(lhs, rhs, **params))
 
@@ -131,8 +143,8 @@ def _plain_conv(lhs, rhs, *, window_strides, padding, lhs_dilation, rhs_dilation
                                     out_sharding=out_sharding)
 
 
-DOT = _MXUPrimitive("mxu_dot_general", lax.dot_general_p, _plain_dot, _f32_dot)
-CONV = _MXUPrimitive("mxu_conv", lax.conv_general_dilated_p, _plain_conv, _f32_conv)
+DOT = _MXUPrimitive("mxu_dot_general", lax.dot_general_p, _plain_dot, _dot_pass)
+CONV = _MXUPrimitive("mxu_conv", lax.conv_general_dilated_p, _plain_conv, _conv_pass)
 
 mxu_dot_general_p = DOT.primitive
 mxu_conv_p = CONV.primitive

@@ -1,0 +1,311 @@
+"""Every form of an MXU pass (keras_tpu.mxu.kernels) is the MXU's arithmetic and compiles on XLA:CPU.
+
+Exactness is checked with integer operands in [-255, 255] (8-bit
+significands, exact in bfloat16): their products need 16 bits and a sum of up
+to 256 of them stays below 2**24, so exact products summed in float32 in any
+order give exactly the float64 result, while a product rounded to bfloat16
+anywhere would not. Rounding is checked with random operands against a
+float64 reference on the bfloat16-rounded operands.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax import lax
+
+from keras_tpu import mxu
+from keras_tpu.mxu import kernels
+
+DOT_CASES = {
+    # name: (lhs shape, rhs shape, dimension numbers)
+    "forward": ((24, 200), (200, 16), (((1,), (0,)), ((), ()))),
+    "weight_grad_layout": ((200, 24), (200, 16), (((0,), (0,)), ((), ()))),
+    "input_grad_layout": ((24, 200), (16, 200), (((1,), (1,)), ((), ()))),
+    "both_transposed": ((200, 24), (16, 200), (((0,), (1,)), ((), ()))),
+    "batched": ((3, 24, 100), (3, 100, 16), (((2,), (1,)), ((0,), (0,)))),
+    "batch_not_leading": ((24, 3, 100), (100, 16, 3), (((2,), (0,)), ((1,), (2,)))),
+    "two_contracting_dims": ((10, 24, 20), (20, 16, 10), (((0, 2), (2, 0)), ((), ()))),
+    "matrix_vector": ((24, 200), (200,), (((1,), (0,)), ((), ()))),
+}
+
+CONV_CASES = {
+    # name: (lhs shape, rhs shape, kwargs of lax.conv_general_dilated)
+    "nhwc_same": ((2, 9, 9, 8), (3, 3, 8, 5), dict(window_strides=(1, 1), padding="SAME",
+                                                    dimension_numbers=("NHWC", "HWIO", "NHWC"))),
+    "strided_dilated": ((2, 11, 10, 6), (3, 2, 6, 4), dict(window_strides=(2, 3), padding=((1, 2), (0, 1)),
+                                                           rhs_dilation=(2, 1),
+                                                           dimension_numbers=("NHWC", "HWIO", "NHWC"))),
+    "lhs_dilated": ((2, 5, 5, 4), (3, 3, 4, 3), dict(window_strides=(1, 1), padding=((2, 2), (2, 2)),
+                                                     lhs_dilation=(2, 2),
+                                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))),
+    "feature_groups": ((2, 7, 7, 6), (3, 3, 2, 9), dict(window_strides=(1, 1), padding="SAME",
+                                                        feature_group_count=3,
+                                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))),
+    "depthwise": ((2, 7, 7, 4), (3, 3, 1, 4), dict(window_strides=(2, 2), padding="SAME", feature_group_count=4,
+                                                   dimension_numbers=("NHWC", "HWIO", "NHWC"))),
+    "batch_groups": ((6, 7, 7, 4), (3, 3, 4, 6), dict(window_strides=(1, 1), padding="VALID",
+                                                      batch_group_count=3,
+                                                      dimension_numbers=("NHWC", "HWIO", "NHWC"))),
+    "nchw": ((2, 4, 9, 9), (5, 4, 3, 3), dict(window_strides=(1, 1), padding="SAME",
+                                              dimension_numbers=("NCHW", "OIHW", "NCHW"))),
+    "conv1d": ((2, 30, 8), (5, 8, 6), dict(window_strides=(2,), padding="SAME",
+                                           dimension_numbers=("NWC", "WIO", "NWC"))),
+}
+
+
+def integers(rng, shape):
+    return rng.integers(-255, 256, size=shape).astype(np.float32)
+
+
+def bf16(x):
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def f64(fun, *args):
+    """``fun`` (a plain lax op) in float64 on float64 copies of ``args``."""
+    with jax.enable_x64(True):
+        return np.asarray(fun(*(np.asarray(a, np.float64) for a in args)))
+
+
+def _dot(dn):
+    return lambda a, b: lax.dot_general(a, b, dn)
+
+
+def _conv(kwargs):
+    return lambda a, b: lax.conv_general_dilated(a, b, **kwargs)
+
+
+def routed(fun, form, precision="default"):
+    """``fun`` on the MXU, jitted and lowered with every pass in ``form``."""
+    def run(*args):
+        with kernels.use_form(form):
+            return jax.jit(mxu.route(fun, precision)).lower(*args).compile()(*args)
+    return run
+
+
+@pytest.mark.parametrize("form", kernels.DOT_FORMS)
+@pytest.mark.parametrize("case", sorted(DOT_CASES))
+def test_dot_forms_are_exact_products_with_float32_sums(rng, case, form):
+    lhs_shape, rhs_shape, dn = DOT_CASES[case]
+    a, b = integers(rng, lhs_shape), integers(rng, rhs_shape)
+    got = routed(_dot(dn), form)(a, b)
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), f64(_dot(dn), a, b))
+
+
+@pytest.mark.parametrize("form", kernels.CONV_FORMS)
+@pytest.mark.parametrize("case", sorted(CONV_CASES))
+def test_conv_forms_are_exact_products_with_float32_sums(rng, case, form):
+    lhs_shape, rhs_shape, kwargs = CONV_CASES[case]
+    a, b = integers(rng, lhs_shape), integers(rng, rhs_shape)
+    got = routed(_conv(kwargs), form)(a, b)
+    np.testing.assert_array_equal(np.asarray(got), f64(_conv(kwargs), a, b))
+
+
+def _assert_close_to_rounded_reference(got, reference, abs_reference, k):
+    # Any float32 summation order of k exact products: |error| <= k * 2**-24 * sum |products|.
+    bound = k * 2.0**-24 * abs_reference + 1e-30
+    assert np.all(np.abs(np.asarray(got, np.float64) - reference) <= bound)
+
+
+@pytest.mark.parametrize("form", kernels.DOT_FORMS)
+@pytest.mark.parametrize("case", ["forward", "weight_grad_layout", "batch_not_leading"])
+def test_dot_forms_round_inputs_to_bfloat16(rng, case, form):
+    lhs_shape, rhs_shape, dn = DOT_CASES[case]
+    a = rng.standard_normal(lhs_shape).astype(np.float32)
+    b = rng.standard_normal(rhs_shape).astype(np.float32)
+    got = routed(_dot(dn), form)(a, b)
+    reference = f64(_dot(dn), bf16(a), bf16(b))
+    _assert_close_to_rounded_reference(got, reference, f64(_dot(dn), np.abs(bf16(a)), np.abs(bf16(b))), 200)
+    unrounded = f64(_dot(dn), a, b)
+    assert np.abs(np.asarray(got) - unrounded).max() > 100 * np.abs(np.asarray(got) - reference).max()
+
+
+@pytest.mark.parametrize("form", kernels.CONV_FORMS)
+def test_conv_forms_round_inputs_to_bfloat16(rng, form):
+    lhs_shape, rhs_shape, kwargs = CONV_CASES["strided_dilated"]
+    a = rng.standard_normal(lhs_shape).astype(np.float32)
+    b = rng.standard_normal(rhs_shape).astype(np.float32)
+    got = routed(_conv(kwargs), form)(a, b)
+    reference = f64(_conv(kwargs), bf16(a), bf16(b))
+    _assert_close_to_rounded_reference(got, reference, f64(_conv(kwargs), np.abs(bf16(a)), np.abs(bf16(b))), 36)
+
+
+def _grads(op, a, b, c):
+    """d/da and d/db of sum(op(a, b) * c)."""
+    return jax.grad(lambda a, b: jnp.sum(op(a, b) * c), argnums=(0, 1))(a, b)
+
+
+@pytest.mark.parametrize("form", kernels.DOT_FORMS)
+@pytest.mark.parametrize("case", ["forward", "batched", "strided_dilated", "feature_groups", "depthwise"])
+def test_gradients_are_exact_in_every_form(rng, case, form):
+    if case in DOT_CASES:
+        lhs_shape, rhs_shape, dn = DOT_CASES[case]
+        op = _dot(dn)
+    else:
+        lhs_shape, rhs_shape, kwargs = CONV_CASES[case]
+        op = _conv(kwargs)
+    a, b = integers(rng, lhs_shape), integers(rng, rhs_shape)
+    c = integers(rng, jax.eval_shape(op, a, b).shape)
+    # Routing the gradient program, and differentiating the routed op (the primitives' transpose rules).
+    routed_grads = routed(lambda a, b: _grads(op, a, b, c), form)(a, b)
+    with kernels.use_form(form):
+        grads_of_routed = jax.jit(lambda a, b: _grads(mxu.route(op), a, b, c)).lower(a, b).compile()(a, b)
+    with jax.enable_x64(True):
+        want = _grads(op, *(np.asarray(v, np.float64) for v in (a, b)), np.asarray(c, np.float64))
+    # The gradient ops sum at most a few hundred products, so they are exact too.
+    for got in (routed_grads, grads_of_routed):
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("form", kernels.DOT_FORMS)
+def test_vmapped_ops_are_exact_in_every_form(rng, form):
+    lhs_shape, rhs_shape, kwargs = CONV_CASES["nhwc_same"]
+    x, k = integers(rng, (3,) + lhs_shape), integers(rng, (3,) + rhs_shape)
+    a, b = integers(rng, (3, 24, 100)), integers(rng, (3, 100, 16))
+    got_conv = routed(jax.vmap(_conv(kwargs)), form)(x, k)
+    got_dot = routed(jax.vmap(jnp.matmul), form)(a, b)
+    np.testing.assert_array_equal(np.asarray(got_conv), f64(jax.vmap(_conv(kwargs)), x, k))
+    np.testing.assert_array_equal(np.asarray(got_dot), f64(jax.vmap(jnp.matmul), a, b))
+    # vmap of an already-routed function goes through the primitives' batching rule.
+    inner = mxu.route(_conv(kwargs))
+    with kernels.use_form(form):
+        batched = jax.jit(jax.vmap(inner)).lower(x, k).compile()(x, k)
+    np.testing.assert_array_equal(np.asarray(batched), f64(jax.vmap(_conv(kwargs)), x, k))
+
+
+@pytest.mark.parametrize("form", kernels.NATIVE_FORMS)
+@pytest.mark.parametrize("precision", ["high", "highest"])
+def test_multipass_precisions_in_native_forms(rng, precision, form):
+    a = rng.standard_normal((32, 200)).astype(np.float32)
+    b = rng.standard_normal((200, 16)).astype(np.float32)
+    fallback = np.asarray(routed(jnp.matmul, kernels.ROUND_F32, precision)(a, b), np.float64)
+    got = np.asarray(routed(jnp.matmul, form, precision)(a, b), np.float64)
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    scale = np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64)
+    # The same passes, exact products: the forms differ only by float32 summation order.
+    assert np.all(np.abs(got - fallback) <= 3 * 200 * 2.0**-24 * scale)
+    tolerance = {"high": 2e-5, "highest": 2e-6}[precision]
+    assert np.abs(got - exact).max() < tolerance * np.abs(exact).max()
+
+
+def test_bfloat16_operands_skip_the_passes_of_zero_parts(rng):
+    a = jnp.asarray(rng.standard_normal((16, 64)), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((64, 8)), jnp.bfloat16)
+    dot = lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    for form in kernels.DOT_FORMS:
+        for precision in ("high", "highest"):
+            with kernels.use_form(form):
+                hlo = jax.jit(mxu.route(dot, precision)).lower(a, b).as_text()
+            assert hlo.count("stablehlo.dot_general") == 1, (form, precision)
+            got = routed(dot, form, precision)(a, b)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(routed(dot, form)(a, b)))
+
+
+def _dot_lines(fun, form, *args):
+    with kernels.use_form(form):
+        text = jax.jit(mxu.route(fun)).lower(*args).as_text()
+    return [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+
+
+def test_the_chosen_form_is_what_is_emitted():
+    a, b = jnp.ones((8, 16)), jnp.ones((16, 4))
+    (line,) = _dot_lines(jnp.matmul, kernels.ROUND_F32, a, b)
+    assert "(tensor<8x16xf32>, tensor<16x4xf32>) -> tensor<8x4xf32>" in line
+    (line,) = _dot_lines(jnp.matmul, kernels.BF16, a, b)
+    assert "(tensor<8x16xbf16>, tensor<16x4xbf16>) -> tensor<8x4xf32>" in line
+    # Weight-gradient layout: canonical transposes lhs, swapped computes the transposed product.
+    g, x = jnp.ones((32, 4)), jnp.ones((32, 16))
+    wgrad = lambda g, x: lax.dot_general(g, x, (((0,), (0,)), ((), ())))
+    (line,) = _dot_lines(wgrad, kernels.BF16, g, x)
+    assert "contracting_dims = [0] x [0]" in line
+    (line,) = _dot_lines(wgrad, kernels.BF16_CANONICAL, g, x)
+    assert "(tensor<4x32xbf16>, tensor<32x16xbf16>) -> tensor<4x16xf32>" in line
+    (line,) = _dot_lines(wgrad, kernels.BF16_SWAPPED, g, x)
+    assert "(tensor<16x32xbf16>, tensor<32x4xbf16>) -> tensor<16x4xf32>" in line
+
+
+@pytest.mark.parametrize("form", kernels.DOT_FORMS)
+def test_bf16_dots_survive_the_transposes_xla_folds(rng, form):
+    # Without the barriers in kernels._fenced, XLA:CPU folds these transposes into a bf16 dot
+    # after choosing its kernel and fails at run time ("DotThunk ... BF16 x BF16 = F32").
+    x, y = integers(rng, (24, 200)), integers(rng, (16, 24))
+    c = integers(rng, (16, 24))
+    cases = {
+        "result transposed": (lambda x, y: (y @ x).T, (x, y)),
+        "constant operand, result transposed": (lambda x, y: (jnp.asarray(c) @ x).T + y.sum(), (x, y)),
+        "operands transposed": (lambda x, y: x.T @ y.T, (x, y)),
+    }
+    for name, (fun, args) in cases.items():
+        want = f64(fun, *args) if "constant" not in name else (c.astype(np.float64) @ x).T + y.sum()
+        np.testing.assert_array_equal(np.asarray(routed(fun, form)(*args)), want, err_msg=name)
+
+
+def test_layouts_of_the_ops_autodiff_makes():
+    def eqns(fun, *args):
+        closed = jax.make_jaxpr(fun)(*args)
+        return [e for e in closed.jaxpr.eqns if e.primitive in (lax.dot_general_p, lax.conv_general_dilated_p)]
+
+    x, w = jnp.ones((8, 5)), jnp.ones((5, 3))
+    forward, weight_grad, input_grad = eqns(
+        jax.value_and_grad(lambda w, x: jnp.sum(x @ w), argnums=(0, 1)), w, x)
+    layout = lambda e: kernels.dot_layout(*(v.aval.ndim for v in e.invars), e.params["dimension_numbers"])
+    assert [layout(e) for e in (forward, weight_grad, input_grad)] == ["forward", "lhs_transposed", "rhs_transposed"]
+
+    img, ker = jnp.ones((2, 8, 8, 3)), jnp.ones((3, 3, 3, 4))
+    conv = lambda i, k: jnp.sum(lax.conv_general_dilated(i, k, (1, 1), "SAME",
+                                                         dimension_numbers=("NHWC", "HWIO", "NHWC")))
+    convs = eqns(jax.value_and_grad(conv, argnums=(0, 1)), img, ker)
+    layouts = sorted(kernels.conv_layout(e.params["dimension_numbers"]) for e in convs)
+    assert layouts == ["forward", "input_grad", "weight_grad"]
+
+
+def test_choice_on_this_host_and_its_overrides(tmp_path, monkeypatch):
+    monkeypatch.delenv("KERAS_TPU_MXU_FORM", raising=False)
+    monkeypatch.delenv("KERAS_TPU_MXU_KERNEL_TABLE", raising=False)
+    assert kernels.host_class() in kernels.BUILTIN_TABLES
+    builtin = kernels.BUILTIN_TABLES[kernels.host_class()]
+    for kind, layouts in (("dot", kernels.DOT_LAYOUTS), ("conv", kernels.CONV_LAYOUTS)):
+        for layout in layouts:
+            assert kernels.choose_form(kind, layout, (1, 64, 64, 64)) == builtin.get((kind, layout),
+                                                                                   kernels.ROUND_F32)
+    # A measured table: the nearest measured shape of the same kind and layout decides.
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps([
+        {"kind": "dot", "layout": "forward", "gemm": [1, 1024, 1024, 1024], "best": "bf16"},
+        {"kind": "dot", "layout": "forward", "gemm": [1, 1024, 1024, 10], "best": "round_f32"},
+        {"kind": "conv", "layout": "weight_grad", "gemm": [1, 9, 8192, 64], "best": "bf16_canonical"},
+    ]))
+    monkeypatch.setenv("KERAS_TPU_MXU_KERNEL_TABLE", str(table))
+    assert kernels.choose_form("dot", "forward", (1, 2048, 1024, 512)) == "bf16"
+    assert kernels.choose_form("dot", "forward", (1, 2048, 1024, 16)) == "round_f32"
+    assert kernels.choose_form("conv", "weight_grad", (1, 9, 4096, 32)) == "bf16_canonical"
+    assert kernels.choose_form("dot", "lhs_transposed", (1, 64, 64, 64)) == builtin.get(
+        ("dot", "lhs_transposed"), kernels.ROUND_F32)
+    # Forcing wins; a dot-only form leaves convolutions to the table.
+    monkeypatch.setenv("KERAS_TPU_MXU_FORM", "bf16_swapped")
+    assert kernels.choose_form("dot", "forward", (1, 8, 8, 8)) == "bf16_swapped"
+    assert kernels.choose_form("conv", "weight_grad", (1, 9, 4096, 32)) == "bf16_canonical"
+    with kernels.use_form("round_f32"):
+        assert kernels.choose_form("dot", "forward", (1, 2048, 1024, 512)) == "round_f32"
+    monkeypatch.setenv("KERAS_TPU_MXU_FORM", "fp8")
+    with pytest.raises(ValueError, match="KERAS_TPU_MXU_FORM"):
+        kernels.choose_form("dot", "forward", (1, 8, 8, 8))
+    with pytest.raises(ValueError, match="Unknown MXU kernel form"):
+        with kernels.use_form("fp8"):
+            pass
+
+
+def test_eager_calls_follow_the_forced_form(rng):
+    a, b = integers(rng, (8, 16)), integers(rng, (16, 4))
+    results = []
+    for form in kernels.DOT_FORMS:
+        with kernels.use_form(form):
+            results.append(np.asarray(mxu.matmul(a, b)))
+    for r in results:
+        np.testing.assert_array_equal(r, a.astype(np.float64) @ b.astype(np.float64))
