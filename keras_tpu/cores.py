@@ -164,16 +164,29 @@ class CoreLayout:
         """Inverse of :meth:`split_cores`: per-core rows back to this device's rows, in core order."""
         return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), tree)
 
-    def map_cores(self, fn, in_axes):
+    def map_cores(self, fn, in_axes, unrolled=False):
         """Map ``fn`` over this device's cores, like ``jax.vmap`` over a core axis.
 
         Arguments with ``in_axes`` 0 carry a leading core axis; ``None``
         arguments are shared by all cores (the replicated weights: one copy,
         and autodiff sums their gradients over the cores in one contraction).
-        Outputs get a leading core axis. Inside ``fn``, :meth:`core_index` and
-        the cross-core collectives work.
+        Outputs get a leading core axis. With ``unrolled=True`` the cores run
+        one after another in one program instead of as one vectorised batch
+        (each layer then runs at the core's own batch size, which some XLA:CPU
+        kernels, e.g. convolutions, run faster); the results are the same.
+        Inside ``fn``, :meth:`core_index` and the cross-core collectives work
+        only when not unrolled.
         """
-        return jax.vmap(fn, in_axes=in_axes, axis_name=CORE_AXIS)
+        if not unrolled:
+            return jax.vmap(fn, in_axes=in_axes, axis_name=CORE_AXIS)
+
+        def each_core(*args):
+            outputs = [fn(*(a if axis is None else jax.tree.map(lambda x: x[core], a)
+                            for a, axis in zip(args, in_axes)))
+                       for core in range(self.cores_per_device)]
+            return jax.tree.map(lambda *parts: jnp.stack(parts), *outputs)
+
+        return each_core
 
     def device_sum(self, tree):
         """Sum over the devices of the layout (nothing to do on one device)."""

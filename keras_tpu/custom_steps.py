@@ -1,0 +1,243 @@
+"""A model's own ``train_step``/``test_step``/``predict_step`` (Keras 3's JAX signature) on the TPU cores.
+
+Keras' guide "Customizing what happens in fit() with JAX" writes steps as
+``train_step(self, state, data) -> (logs, state)`` with
+``optimizer.stateless_apply`` and ``metric.stateless_update_state``. VAEs, GANs,
+distillation and contrastive learning are written this way. keras-tpu runs
+them with a TPU's semantics, as TensorFlow's ``TPUStrategy`` does:
+
+* **Every core runs the user's step on its own rows** (mapped over the core
+  axis, the weights shared): BatchNormalization statistics, dropout streams
+  and losses per core, every matrix product on the MXU.
+* **Gradients are averaged across the cores when an optimizer applies them**
+  (each optimizer's ``stateless_apply`` sees the cross-core mean), so a GAN's
+  two optimizers, or an update that a later part of the step reads, behave as
+  on a TPU. Every core then holds the same weights; one copy is kept.
+* **Metric states are combined across cores** (their per-core increments are
+  summed: Keras' metric states are sums and counts), and the logs are the
+  metrics' results on the combined states; other logged values are averaged
+  over the cores. Moving statistics are averaged over the cores.
+* **No padding row reaches the user's code**, which cannot know our masks: a
+  batch whose rows do not split evenly over the cores (a partial last batch,
+  or ``batch_size=100``) runs on the largest number of cores that divides it
+  (100 rows: 5 cores of 20), with its own program, compiled once per shape.
+
+Steps run one per device call; ``steps_per_execution`` batches are fed per
+call of the function Keras asks for, as Keras' own JAX trainer does.
+"""
+
+import contextlib
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from keras import tree
+
+from keras_tpu import _keras_private, pod, rewrite
+from keras_tpu._logging import logger
+from keras_tpu.cores import CORE_AXIS
+
+STEP_METHODS = ("train_step", "test_step", "predict_step")
+
+
+def custom_step_methods(model):
+    """The Keras step methods ``model``'s own classes replace.
+
+    Example:
+        >>> custom_step_methods(keras.Sequential())   # doctest: +SKIP
+        []
+    """
+    return _keras_private.overridden_methods(model, STEP_METHODS)
+
+
+def cores_for_rows(rows, num_cores):
+    """The most cores (at most ``num_cores``) over which ``rows`` split evenly.
+
+    Example:
+        >>> cores_for_rows(1024, 8), cores_for_rows(100, 8), cores_for_rows(97, 8)
+        (8, 5, 1)
+    """
+    return max(c for c in range(1, num_cores + 1) if rows % c == 0)
+
+
+def _optimizers_of(model):
+    """Every Keras optimizer a model holds (``model.optimizer`` and attributes such as a GAN's two)."""
+    from keras import optimizers
+
+    found = []
+    candidates = [getattr(model, "optimizer", None)] + list(vars(model).values())
+    for value in candidates:
+        if isinstance(value, optimizers.Optimizer) and all(value is not f for f in found):
+            found.append(value)
+    return found
+
+
+@contextlib.contextmanager
+def _gradients_averaged_over_cores(model):
+    """While tracing a core's step: each optimizer's ``stateless_apply`` gets the cores' mean gradients."""
+    patched = []
+    for optimizer in _optimizers_of(model):
+        original = optimizer.stateless_apply
+
+        def apply(optimizer_variables, grads, trainable_variables, _original=original):
+            grads = jax.tree.map(lambda g: None if g is None else lax.pmean(g, CORE_AXIS), grads,
+                                 is_leaf=lambda g: g is None)
+            return _original(optimizer_variables, grads, trainable_variables)
+
+        optimizer.__dict__["stateless_apply"] = apply  # an instance attribute shadows the method
+        patched.append(optimizer)
+    try:
+        yield
+    finally:
+        for optimizer in patched:
+            optimizer.__dict__.pop("stateless_apply", None)
+
+
+def _rows(data):
+    leaves = [leaf for leaf in tree.flatten(data) if leaf is not None]
+    return int(jnp.shape(leaves[0])[0]) if leaves else 0
+
+
+class CustomSteps:
+    """The train, test and predict functions of a model with its own steps, for a core layout.
+
+    Used by :class:`keras_tpu.replicated_steps.ReplicatedSteps` for the modes the model overrides.
+    """
+
+    def __init__(self, steps):
+        self.builder = steps
+        self.model = steps.model
+        self.layout = steps.layout
+        if self.layout.num_devices > 1:
+            raise ValueError(
+                f"{type(self.model).__name__} has its own step methods, which keras_tpu runs on the cores of one "
+                f"process; this TPU spans {self.layout.num_devices} worker processes. Train it on one worker.")
+
+    def function(self, mode, steps_per_execution):
+        program = _CustomProgram(mode, self, int(steps_per_execution))
+        return program.run_for_outputs if mode == "predict" else program.run_for_logs
+
+    # -- what the device runs for one step on `cores` cores -------------------------------
+
+    def device_step(self, mode, cores):
+        model, builder = self.model, self.builder
+
+        def split(data):
+            return jax.tree.map(lambda a: a.reshape((cores, a.shape[0] // cores) + a.shape[1:]), data)
+
+        def step(state, data):
+            core_ids = jnp.arange(cores, dtype=jnp.int32)
+            if mode == "predict":
+                trainable, non_trainable = state
+
+                def core_predict(data, core_id):
+                    return model.predict_step((trainable, non_trainable), data)
+
+                outputs = jax.vmap(core_predict, in_axes=(0, 0), axis_name=CORE_AXIS)(split(data), core_ids)
+                return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), outputs), state
+
+            non_trainable = state[1]
+            metrics_values = state[-1]
+
+            def core_step(data, core_id):
+                seeded = builder._offset_seeds(non_trainable, core_id, +1)
+                core_state = (state[0], seeded) + tuple(state[2:])
+                with _gradients_averaged_over_cores(model):
+                    logs, new_state = (model.train_step if mode == "train" else model.test_step)(core_state, data)
+                new_state = tuple(new_state)
+                new_state = (new_state[0], builder._offset_seeds(list(new_state[1]), core_id, -1)) + new_state[2:]
+                return logs, new_state
+
+            logs, new_state = jax.vmap(core_step, in_axes=(0, 0), axis_name=CORE_AXIS)(split(data), core_ids)
+            share = jnp.full((cores,), 1.0 / cores, jnp.float32)
+            combined_non_trainable = builder._combine_non_trainable(non_trainable, new_state[1], share)
+            combined_metrics = [old + jnp.sum(new - old, axis=0) if jnp.issubdtype(new.dtype, jnp.number) else new[0]
+                                for old, new in zip(metrics_values, new_state[-1])]
+            # Replicated state (weights, optimizer slots) is the same on every core: keep one copy.
+            out_state = (jax.tree.map(lambda a: a[0], new_state[0]), combined_non_trainable)
+            if mode == "train":
+                out_state += (jax.tree.map(lambda a: a[0], new_state[2]),)
+            out_state += (combined_metrics,)
+            results = _keras_private.metrics_result(model, combined_metrics)
+
+            def combined_log(key, value):  # a metric's result on the combined state, else the cores' mean
+                if isinstance(value, dict):
+                    return {k: combined_log(k, v) for k, v in value.items()}
+                return results[key] if key in results else jnp.mean(jnp.asarray(value), axis=0)
+
+            return {key: combined_log(key, value) for key, value in logs.items()}, out_state
+
+        return step
+
+
+class _CustomProgram:
+    """The programs of one mode of a model's own step: one per number of cores and batch shape."""
+
+    def __init__(self, mode, custom, steps_per_execution):
+        if steps_per_execution < 1:
+            raise ValueError(f"steps_per_execution must be a positive integer; got {steps_per_execution}.")
+        self.mode = mode
+        self.custom = custom
+        self.layout = custom.layout
+        self.steps = steps_per_execution
+        self._rule = custom.builder.rule
+        self._jitted = {}
+        self._executables = {}
+
+    def _executable(self, cores, state, data):
+        jitted = self._jitted.get(cores)
+        if jitted is None:
+            jitted = jax.jit(rewrite.transform(self.custom.device_step(self.mode, cores), self._rule),
+                             donate_argnums=0)
+            self._jitted[cores] = jitted
+        key = cores, jax.tree.structure((state, data)), tuple((a.shape, str(a.dtype))
+                                                              for a in jax.tree.leaves((state, data)))
+        executable = self._executables.get(key)
+        if executable is None:
+            started = time.perf_counter()
+            executable = jitted.lower(state, data).compile()
+            self._executables[key] = executable
+            rows = _rows(data)
+            logger.info("Compiled the TPU %s program (global batch %d, %d step(s) per call) in %.1f s "
+                        "(the model's own %s_step on %d core(s)%s).", self.mode, rows, 1,
+                        time.perf_counter() - started, self.mode, cores,
+                        "" if cores == self.layout.num_cores else f": {rows} rows do not split evenly over "
+                        f"{self.layout.num_cores}")
+        return executable
+
+    def _one_step(self, state, data):
+        rows = _rows(data)
+        if rows == 0:
+            raise ValueError(f"A batch for {type(self.custom.model).__name__}.{self.mode}_step has no rows.")
+        cores = cores_for_rows(rows, self.layout.num_cores)
+        device = self.layout.replicated_sharding()
+        state = jax.device_put(state, device)
+        data = jax.device_put(jax.tree.map(jnp.asarray, data), device)
+        return self._executable(cores, state, data)(state, data)
+
+    def _run(self, state, iterator):
+        outputs = []
+        for _ in range(self.steps):
+            try:
+                data = next(iterator)
+            except StopIteration:
+                break
+            if pod.is_multi_worker():
+                raise ValueError("A model's own step methods run on one worker process.")
+            output, state = self._one_step(state, data)
+            outputs.append(output)
+        if not outputs:
+            raise StopIteration
+        return outputs, state
+
+    def run_for_logs(self, state, iterator):
+        outputs, state = self._run(state, iterator)
+        return outputs[-1], state
+
+    def run_for_outputs(self, state, iterator):
+        outputs, state = self._run(state, iterator)
+        return tree.map_structure(lambda *parts: jnp.concatenate(parts), *outputs), state
+
+
+__all__ = ["CustomSteps", "cores_for_rows", "custom_step_methods"]

@@ -1,0 +1,320 @@
+"""A model's own train_step/test_step/predict_step (Keras 3's JAX signature) under TPUStrategy.
+
+Written as keras.io's guide "Customizing what happens in fit() with JAX" writes
+them: ``train_step(self, state, data) -> (logs, state)`` with
+``optimizer.stateless_apply`` and ``metric.stateless_update_state``.
+"""
+
+import contextlib
+import logging
+
+import jax
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_tpu
+from keras_tpu.custom_steps import cores_for_rows
+from tests.tpu_helpers import compiled_programs
+
+
+class JaxStyleModel(keras.Model):
+    """The guide's first example: a custom train_step and test_step with the compiled loss."""
+
+    def compute_loss_and_updates(self, trainable_variables, non_trainable_variables, x, y, training=False):
+        y_pred, non_trainable_variables = self.stateless_call(trainable_variables, non_trainable_variables, x,
+                                                              training=training)
+        loss = self.compute_loss(x, y, y_pred)
+        return loss, (y_pred, non_trainable_variables)
+
+    def train_step(self, state, data):
+        trainable_variables, non_trainable_variables, optimizer_variables, metrics_variables = state
+        x, y = data
+        grad_fn = jax.value_and_grad(self.compute_loss_and_updates, has_aux=True)
+        (loss, (y_pred, non_trainable_variables)), grads = grad_fn(
+            trainable_variables, non_trainable_variables, x, y, training=True)
+        trainable_variables, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable_variables)
+        new_metrics_vars, logs = [], {}
+        for metric in self.metrics:
+            this_vars = metrics_variables[len(new_metrics_vars):len(new_metrics_vars) + len(metric.variables)]
+            if metric.name == "loss":
+                this_vars = metric.stateless_update_state(this_vars, loss)
+            else:
+                this_vars = metric.stateless_update_state(this_vars, y, y_pred)
+            logs[metric.name] = metric.stateless_result(this_vars)
+            new_metrics_vars += this_vars
+        return logs, (trainable_variables, non_trainable_variables, optimizer_variables, new_metrics_vars)
+
+    def test_step(self, state, data):
+        trainable_variables, non_trainable_variables, metrics_variables = state
+        x, y = data
+        y_pred, non_trainable_variables = self.stateless_call(trainable_variables, non_trainable_variables, x,
+                                                              training=False)
+        loss = self.compute_loss(x, y, y_pred)
+        new_metrics_vars, logs = [], {}
+        for metric in self.metrics:
+            this_vars = metrics_variables[len(new_metrics_vars):len(new_metrics_vars) + len(metric.variables)]
+            this_vars = metric.stateless_update_state(this_vars, loss) if metric.name == "loss" else \
+                metric.stateless_update_state(this_vars, y, y_pred)
+            logs[metric.name] = metric.stateless_result(this_vars)
+            new_metrics_vars += this_vars
+        return logs, (trainable_variables, non_trainable_variables, new_metrics_vars)
+
+
+def jax_style_regressor(strategy=None, seed=0):
+    keras.utils.set_random_seed(seed)
+
+    def build():
+        inputs = keras.Input((5,))
+        model = JaxStyleModel(inputs, keras.layers.Dense(1)(keras.layers.Dense(16, activation="tanh")(inputs)))
+        model.compile(keras.optimizers.SGD(0.05), "mse", metrics=["mae"])
+        return model
+
+    if strategy is None:
+        return build()
+    with strategy.scope():
+        return build()
+
+
+def regression_data(rows, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, 5)).astype("float32")
+    return x, (x[:, :2].sum(axis=1, keepdims=True) * 0.5).astype("float32")
+
+
+def test_cores_for_rows():
+    assert [cores_for_rows(r, 8) for r in (1024, 64, 100, 12, 97, 1)] == [8, 8, 5, 6, 1, 1]
+
+
+def test_a_jax_style_train_step_matches_the_cpu_on_batches_that_split_evenly(caplog):
+    caplog.set_level(logging.INFO, logger="keras_tpu")
+    x, y = regression_data(128)
+    strategy = keras_tpu.TPUStrategy(precision="highest")
+    model, reference = jax_style_regressor(strategy), jax_style_regressor()
+    got = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
+    want = reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
+    for key in want:  # gradients averaged over 8 cores of 4 rows = the gradient of the batch of 32
+        np.testing.assert_allclose(got[key], want[key], rtol=2e-5)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=2e-6)
+    assert model.evaluate(x, y, batch_size=32, verbose=0) == pytest.approx(
+        reference.evaluate(x, y, batch_size=32, verbose=0), rel=2e-5)
+    assert ("train", 32, 1) in compiled_programs(caplog)
+
+
+def test_a_partial_batch_runs_on_the_cores_that_split_it_without_padding(caplog):
+    caplog.set_level(logging.INFO, logger="keras_tpu")
+    x, y = regression_data(100)  # batches of 32, 32, 32 and 4 rows: the last on 4 cores of one row
+    strategy = keras_tpu.TPUStrategy(precision="highest")
+    model, reference = jax_style_regressor(strategy), jax_style_regressor()
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    # Every step's gradient is the mean over cores of equal rows: the gradient of the whole batch, with no
+    # padding row in any loss, so the weights follow the CPU's exactly.
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=2e-6)
+    assert ("train", 4, 1) in compiled_programs(caplog) and "on 4 core(s): 4 rows do not split evenly" in caplog.text
+    # Evaluation of a batch of 100 runs on 5 cores of 20 rows, metrics exact.
+    assert model.evaluate(x, y, batch_size=100, verbose=0) == pytest.approx(
+        reference.evaluate(x, y, batch_size=100, verbose=0), rel=2e-5)
+
+
+class VAE(keras.Model):
+    """keras.io's VAE (examples/generative/vae.py), its train_step in the JAX style, small."""
+
+    def __init__(self, latent_dim=2, **kwargs):
+        super().__init__(**kwargs)
+        self.encoder_hidden = keras.layers.Dense(32, activation="relu")
+        self.z_mean = keras.layers.Dense(latent_dim)
+        self.z_log_var = keras.layers.Dense(latent_dim)
+        self.decoder_hidden = keras.layers.Dense(32, activation="relu")
+        self.decoder_out = keras.layers.Dense(16, activation="sigmoid")
+        self.sampler = keras.random.SeedGenerator(7)
+        self.total_loss_tracker = keras.metrics.Mean(name="total_loss")
+        self.reconstruction_loss_tracker = keras.metrics.Mean(name="reconstruction_loss")
+        self.kl_loss_tracker = keras.metrics.Mean(name="kl_loss")
+
+    def call(self, x):
+        h = self.encoder_hidden(x)
+        z_mean, z_log_var = self.z_mean(h), self.z_log_var(h)
+        z = z_mean + ops.exp(0.5 * z_log_var) * keras.random.normal(ops.shape(z_mean), seed=self.sampler)
+        return self.decoder_out(self.decoder_hidden(z)), z_mean, z_log_var
+
+    def losses_of(self, trainable, non_trainable, x):
+        (reconstruction, z_mean, z_log_var), non_trainable = self.stateless_call(trainable, non_trainable, x)
+        reconstruction_loss = ops.mean(ops.sum(keras.losses.binary_crossentropy(x[..., None], reconstruction[..., None]),
+                                               axis=1))
+        kl = -0.5 * (1 + z_log_var - ops.square(z_mean) - ops.exp(z_log_var))
+        kl_loss = ops.mean(ops.sum(kl, axis=1))
+        return reconstruction_loss + kl_loss, (reconstruction_loss, kl_loss, non_trainable)
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        x = data[0] if isinstance(data, tuple) else data
+        (total, (reconstruction_loss, kl_loss, non_trainable)), grads = jax.value_and_grad(
+            self.losses_of, has_aux=True)(trainable, non_trainable, x)
+        trainable, optimizer_variables = self.optimizer.stateless_apply(optimizer_variables, grads, trainable)
+        logs, new_metrics = {}, []
+        for tracker, value in ((self.total_loss_tracker, total), (self.reconstruction_loss_tracker,
+                                                                   reconstruction_loss),
+                               (self.kl_loss_tracker, kl_loss)):
+            start = len(new_metrics)
+            values = tracker.stateless_update_state(metrics_variables[start:start + len(tracker.variables)], value)
+            logs[tracker.name] = tracker.stateless_result(values)
+            new_metrics += values
+        return logs, (trainable, non_trainable, optimizer_variables, new_metrics)
+
+    @property
+    def metrics(self):
+        return [self.total_loss_tracker, self.reconstruction_loss_tracker, self.kl_loss_tracker]
+
+
+@pytest.mark.slow
+def test_a_vae_with_loss_trackers_trains_on_the_tpu():
+    rng = np.random.default_rng(0)
+    prototypes = rng.random((4, 16)) > 0.5
+    x = (prototypes[rng.integers(0, 4, 256)] ^ (rng.random((256, 16)) > 0.9)).astype("float32")
+    keras.utils.set_random_seed(0)
+    with keras_tpu.TPUStrategy().scope():
+        vae = VAE()
+        vae.compile(optimizer=keras.optimizers.Adam(0.01))
+    history = vae.fit(x, epochs=6, batch_size=64, verbose=0).history
+    assert set(history) == {"total_loss", "reconstruction_loss", "kl_loss"}
+    assert history["total_loss"][-1] < history["total_loss"][0]
+    for a, b, c in zip(history["total_loss"], history["reconstruction_loss"], history["kl_loss"]):
+        assert a == pytest.approx(b + c, rel=1e-4)  # the trackers combine across cores consistently
+    reconstruction, _, _ = vae.predict(x[:10], verbose=0)
+    assert reconstruction.shape == (10, 16) and 0 <= reconstruction.min() and reconstruction.max() <= 1
+
+
+class GAN(keras.Model):
+    """keras.io's GAN pattern in the JAX style: two optimizers in one train_step, the generator trained
+    through the discriminator's just-updated weights. (SGD without momentum keeps no slots, so the two
+    optimizers' own state need not travel in Keras' state tuple.) Data: x = noise (what the model's call
+    takes, so Keras can build it), y = real samples."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.generator = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"),
+                                           keras.layers.Dense(8)], name="generator")
+        self.discriminator = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                               keras.layers.Dense(1)], name="discriminator")
+        self.d_loss_tracker = keras.metrics.Mean(name="d_loss")
+        self.g_loss_tracker = keras.metrics.Mean(name="g_loss")
+
+    def call(self, z):
+        return self.generator(z)
+
+    def compile(self, d_optimizer, g_optimizer):
+        super().compile()
+        self.d_optimizer, self.g_optimizer = d_optimizer, g_optimizer
+        d_optimizer.build(self.discriminator.trainable_variables)
+        g_optimizer.build(self.generator.trainable_variables)
+
+    @property
+    def metrics(self):
+        return [self.d_loss_tracker, self.g_loss_tracker]
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        z, real = data
+        split = len(self.generator.trainable_variables)
+        g_vars, d_vars = list(trainable[:split]), list(trainable[split:])
+        d_opt = [v.value for v in self.d_optimizer.variables]
+        g_opt = [v.value for v in self.g_optimizer.variables]
+        bce = keras.losses.BinaryCrossentropy(from_logits=True)
+
+        def d_loss_fn(d_vars):
+            fake, _ = self.generator.stateless_call(g_vars, [], z)
+            logits_real, _ = self.discriminator.stateless_call(d_vars, [], real)
+            logits_fake, _ = self.discriminator.stateless_call(d_vars, [], fake)
+            return bce(ops.ones_like(logits_real), logits_real) + bce(ops.zeros_like(logits_fake), logits_fake)
+
+        d_loss, d_grads = jax.value_and_grad(d_loss_fn)(d_vars)
+        d_vars, _ = self.d_optimizer.stateless_apply(d_opt, d_grads, d_vars)
+
+        def g_loss_fn(g_vars):  # through the discriminator just updated
+            fake, _ = self.generator.stateless_call(g_vars, [], z)
+            logits, _ = self.discriminator.stateless_call(d_vars, [], fake)
+            return bce(ops.ones_like(logits), logits)
+
+        g_loss, g_grads = jax.value_and_grad(g_loss_fn)(g_vars)
+        g_vars, _ = self.g_optimizer.stateless_apply(g_opt, g_grads, g_vars)
+        d_metric = self.d_loss_tracker.stateless_update_state(metrics_variables[:2], d_loss)
+        g_metric = self.g_loss_tracker.stateless_update_state(metrics_variables[2:], g_loss)
+        return ({"d_loss": self.d_loss_tracker.stateless_result(d_metric),
+                 "g_loss": self.g_loss_tracker.stateless_result(g_metric)},
+                (g_vars + d_vars, non_trainable, optimizer_variables, d_metric + g_metric))
+
+
+def gan(strategy=None):
+    keras.utils.set_random_seed(0)
+    scope = strategy.scope() if strategy else contextlib.nullcontext()
+    with scope:
+        model = GAN()
+        model.compile(keras.optimizers.SGD(0.05), keras.optimizers.SGD(0.05))
+    return model
+
+
+@pytest.mark.slow
+def test_a_gan_with_two_optimizers_in_one_train_step_matches_the_cpu():
+    rng = np.random.default_rng(0)
+    real = (rng.standard_normal((128, 8)) * 0.3 + 1.0).astype("float32")
+    noise = rng.standard_normal((128, 4)).astype("float32")
+    model, reference = gan(keras_tpu.TPUStrategy(precision="highest")), gan()
+    got = model.fit(noise, real, epochs=3, batch_size=64, shuffle=False, verbose=0).history
+    want = reference.fit(noise, real, epochs=3, batch_size=64, shuffle=False, verbose=0).history
+    for key in ("d_loss", "g_loss"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-4)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    samples = model.predict(noise[:16], verbose=0)
+    assert samples.shape == (16, 8) and np.isfinite(samples).all()
+
+
+class Distiller(keras.Model):
+    """keras.io's knowledge distillation (examples/vision/knowledge_distillation.py): a frozen teacher
+    and a custom compute_loss."""
+
+    def __init__(self, student, teacher):
+        super().__init__()
+        self.student, self.teacher = student, teacher
+        self.teacher.trainable = False
+
+    def call(self, x):
+        return self.student(x)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, allow_empty=False):
+        teacher_pred = self.teacher(x, training=False)
+        student_loss = keras.losses.sparse_categorical_crossentropy(y, y_pred, from_logits=True)
+        distillation_loss = keras.losses.kl_divergence(ops.softmax(teacher_pred / 3.0), ops.softmax(y_pred / 3.0))
+        return ops.mean(0.1 * student_loss + 0.9 * distillation_loss * 9.0)
+
+
+def distiller(strategy=None):
+    keras.utils.set_random_seed(0)
+    teacher = keras.Sequential([keras.Input((6,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(3)])
+    scope = strategy.scope() if strategy else contextlib.nullcontext()
+    with scope:
+        student = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                                    keras.layers.Dense(3)])
+        model = Distiller(student, teacher)
+        model.compile(keras.optimizers.Adam(0.01), metrics=[keras.metrics.SparseCategoricalAccuracy()])
+    return model
+
+
+@pytest.mark.slow
+def test_knowledge_distillation_with_a_custom_compute_loss_and_a_partial_batch():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((100, 6)).astype("float32")  # batches of 32, 32, 32 and a partial 4
+    y = x[:, :3].argmax(axis=1)
+    model, reference = distiller(keras_tpu.TPUStrategy(precision="highest")), distiller()
+    got = model.fit(x, y, epochs=2, batch_size=32, shuffle=False, verbose=0).history
+    want = reference.fit(x, y, epochs=2, batch_size=32, shuffle=False, verbose=0).history
+    # The user's compute_loss ignores sample weights: no padding row may reach it.
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=2e-5)
+    for a, b in zip(model.student.get_weights(), reference.student.get_weights()):
+        np.testing.assert_allclose(a, b, atol=2e-6)
