@@ -23,7 +23,8 @@ from keras_tpu.cluster import (ACCELERATOR_TYPES, AcceleratorSpec, ClusterSpec, 
 from keras_tpu.cores import CoreLayout  # noqa: E402
 from keras_tpu import datasets  # noqa: E402
 from keras_tpu.tpu_model import KerasTPUModel, TPUDistributionStrategy, keras_to_tpu_model  # noqa: E402
-from keras_tpu.strategy import PerReplica, ReduceOp, TPUStrategy  # noqa: E402
+from keras_tpu.strategy import (DeviceAssignment, InputContext, PerReplica, ReduceOp, TPUStrategy,  # noqa: E402
+                                ValueContext)
 from keras_tpu import estimator  # noqa: E402
 from keras_tpu import callbacks  # noqa: E402
 from keras_tpu.profile import TPUProfile, profile  # noqa: E402
@@ -33,7 +34,8 @@ from keras_tpu.pod import WorkerLostError  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
-    "ACCELERATOR_TYPES", "AcceleratorSpec", "ClusterSpec", "CoreLayout", "KerasTPUModel", "PerReplica", "ReduceOp",
+    "ACCELERATOR_TYPES", "AcceleratorSpec", "ClusterSpec", "CoreLayout", "DeviceAssignment", "InputContext",
+    "KerasTPUModel", "PerReplica", "ReduceOp", "ValueContext",
     "TPUClusterResolver", "TPUDistributionStrategy", "TPUStrategy", "Topology", "datasets", "estimator",
     "experimental_connect_to_cluster", "initialize_tpu_system", "keras_to_tpu_model", "mxu", "set_verbosity",
     "TPUProfile", "callbacks", "profile", "load_exported", "WorkerLostError",

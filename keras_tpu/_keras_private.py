@@ -48,10 +48,6 @@ def loss_reductions(model):
     return [getattr(entry.loss, "reduction", None) for entry in flat]
 
 
-def has_compiled_loss(model):
-    return getattr(model, "_compile_loss", None) is not None
-
-
 def per_output_loss_trackers(model):
     compiled = getattr(model, "_compile_loss", None)
     return bool(compiled is not None and compiled.metrics)

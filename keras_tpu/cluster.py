@@ -6,6 +6,7 @@ This mirrors TensorFlow's ``TPUClusterResolver`` and
 connection is made: the TPU is simulated in this process on JAX devices.
 """
 
+import collections
 import dataclasses
 import math
 import os
@@ -129,6 +130,15 @@ def _strip_grpc(address):
     return address[len("grpc://"):] if address.startswith("grpc://") else address
 
 
+DeviceAttributes = collections.namedtuple("DeviceAttributes", ["name", "device_type", "memory_limit_bytes"])
+DeviceAttributes.__doc__ = "One device of :class:`TPUSystemMetadata`, named as TensorFlow names it."
+
+TPUSystemMetadata = collections.namedtuple(
+    "TPUSystemMetadata", ["num_cores", "num_hosts", "num_of_cores_per_host", "topology", "devices"])
+TPUSystemMetadata.__doc__ = ("What :meth:`TPUClusterResolver.get_tpu_system_metadata` returns "
+                             "(``tf.tpu.experimental.TPUSystemMetadata``).")
+
+
 class TPUClusterResolver:
     """Finds the (simulated) TPU, in the shape of TensorFlow's ``TPUClusterResolver``.
 
@@ -140,8 +150,16 @@ class TPUClusterResolver:
             the first being the coordinator. When ``None``, the environment
             variables ``KERAS_TPU_WORKERS``, ``COLAB_TPU_ADDR`` and
             ``TPU_NAME`` are read, in that order.
-        zone, project: accepted for compatibility; unused.
-        job_name: the job name in :meth:`cluster_spec` (``"worker"``).
+        zone, project: kept as attributes; no effect (there is no Cloud TPU
+            API to ask).
+        job_name: the job name in :meth:`cluster_spec` (``"worker"``), also
+            :attr:`task_type`.
+        coordinator_name, coordinator_address: with both, :meth:`cluster_spec`
+            lists the coordinator job ``{coordinator_name: [coordinator_address]}``,
+            as TensorFlow's does. (TensorFlow starts a local server when only
+            the name is given; nothing needs coordinating here, so no job is added.)
+        credentials, service, discovery_url: no effect (Google Cloud API
+            access; no API is called).
         accelerator_type: the simulated TPU type, e.g. ``"v2-8"`` (default),
             ``"v3-8"``, ``"v4-8"``, ``"v5litepod-8"``.
         task_index: this process's index among the workers of a pod
@@ -153,11 +171,18 @@ class TPUClusterResolver:
         ('grpc://10.0.0.2:8470', {'TPU': 8})
     """
 
-    def __init__(self, tpu=None, zone=None, project=None, job_name="worker",
-                 accelerator_type=DEFAULT_ACCELERATOR_TYPE, task_index=None, **unused_tf_kwargs):
+    def __init__(self, tpu=None, zone=None, project=None, job_name="worker", coordinator_name=None,
+                 coordinator_address=None, credentials="default", service=None, discovery_url=None, *,
+                 accelerator_type=DEFAULT_ACCELERATOR_TYPE, task_index=None):
         self.zone = zone
         self.project = project
         self.job_name = job_name
+        self.coordinator_name = coordinator_name
+        self.coordinator_address = coordinator_address
+        self.credentials, self.service, self.discovery_url = credentials, service, discovery_url
+        self.task_type = job_name  # TensorFlow's task of a TPU resolver: the first worker
+        self.task_id = 0
+        self.rpc_layer = "grpc"
         self.spec, self.total_cores = accelerator_spec(accelerator_type)
         self.accelerator_type = f"{self.spec.generation}-{self.total_cores}"
         self.tpu, self.workers = self._resolve_workers(tpu)
@@ -172,6 +197,32 @@ class TPUClusterResolver:
                 f"Task index {self.task_index} is out of range for {len(self.workers)} worker(s) "
                 f"{self.workers}."
             )
+
+    @staticmethod
+    def connect(tpu=None, zone=None, project=None, **keras_tpu_kwargs):
+        """Make a resolver, connect to its TPU and initialize it; return the resolver (TensorFlow 2's
+        ``TPUClusterResolver.connect``). Extra keywords (``accelerator_type``, ``task_index``) go to
+        the constructor.
+
+        Example:
+            >>> TPUClusterResolver.connect("grpc://10.0.0.2:8470").master()
+            'grpc://10.0.0.2:8470'
+        """
+        resolver = TPUClusterResolver(tpu, zone, project, **keras_tpu_kwargs)
+        experimental_connect_to_cluster(resolver)
+        initialize_tpu_system(resolver)
+        return resolver
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, type, value, traceback):  # noqa: A002  (TensorFlow's argument names)
+        return None
+
+    @property
+    def environment(self):
+        """The environment TensorFlow runs in: ``""`` (not Google's internal one)."""
+        return ""
 
     @staticmethod
     def _resolve_workers(tpu):
@@ -201,13 +252,21 @@ class TPUClusterResolver:
         return not self.workers
 
     def master(self, task_type=None, task_id=None, rpc_layer=None):
-        """The address of the TPU (the coordinator of a pod); ``""`` for the local TPU."""
+        """The address of the TPU (the coordinator of a pod); ``""`` for the local TPU.
+
+        As TensorFlow's: with both ``task_type`` and ``task_id`` the address of that task in
+        :meth:`cluster_spec`, otherwise that of :attr:`task_type`/:attr:`task_id` (the first worker).
+        """
         if not self.workers:
             return ""
-        index = 0 if task_id is None else task_id
-        return f"{rpc_layer or 'grpc'}://{self.workers[index]}"
+        if task_type is None or task_id is None:
+            task_type, task_id = self.task_type, self.task_id
+        address = self.cluster_spec().task_address(task_type, task_id)
+        return f"{rpc_layer or self.rpc_layer or 'grpc'}://{address}"
 
-    get_master = master
+    def get_master(self):
+        """The same as :meth:`master` (TensorFlow 1's name)."""
+        return self.master()
 
     def get_job_name(self):
         return self.job_name
@@ -223,11 +282,33 @@ class TPUClusterResolver:
             >>> TPUClusterResolver("local").cluster_spec().as_dict()
             {'worker': ['localhost:8470']}
         """
-        return ClusterSpec({self.job_name: list(self.workers) or [LOCAL_WORKER_ADDRESS]})
+        cluster = {self.job_name: list(self.workers) or [LOCAL_WORKER_ADDRESS]}
+        if self.coordinator_name and self.coordinator_address:
+            cluster[self.coordinator_name] = [self.coordinator_address]
+        return ClusterSpec(cluster)
 
     def num_accelerators(self, task_type=None, task_id=None, config_proto=None):
         """TPU cores per worker, as TensorFlow reports them: ``{"TPU": 8}``."""
         return {"TPU": self.cores_per_worker}
+
+    def get_tpu_system_metadata(self):
+        """The TPU's cores, hosts and devices, as TensorFlow 2's ``get_tpu_system_metadata``
+        (``topology`` is ``None``, as TensorFlow's query leaves it; :func:`initialize_tpu_system`
+        returns the :class:`Topology`).
+
+        Example:
+            >>> metadata = TPUClusterResolver().get_tpu_system_metadata()
+            >>> metadata.num_cores, metadata.num_hosts, metadata.num_of_cores_per_host
+            (8, 1, 8)
+        """
+        per_host, hosts = self.cores_per_worker, self.num_workers
+        devices = []
+        for host_index in range(hosts):
+            prefix = f"/job:{self.job_name}/replica:0/task:{host_index}/device:"
+            devices.append(DeviceAttributes(prefix + "CPU:0", "CPU", 0))
+            devices += [DeviceAttributes(f"{prefix}TPU:{core}", "TPU", self.spec.hbm_bytes_per_core)
+                        for core in range(per_host)]
+        return TPUSystemMetadata(per_host * hosts, hosts, per_host, None, devices)
 
     @property
     def cores_per_worker(self):
@@ -304,8 +385,10 @@ _topology = None
 _announced = {}
 
 
-def experimental_connect_to_cluster(cluster_spec_or_resolver=None, **unused):
-    """Accepted for TF 2 compatibility: the simulated TPU needs no remote connection.
+def experimental_connect_to_cluster(cluster_spec_or_resolver, job_name="localhost", task_index=0, protocol=None,
+                                    make_master_device_default=True, cluster_device_filters=None):
+    """``tf.config.experimental_connect_to_cluster``: accepted and logged; the other arguments have no
+    effect (the simulated TPU is in this process: there is no remote cluster, server or device filter).
 
     Example:
         >>> experimental_connect_to_cluster(TPUClusterResolver())
@@ -315,7 +398,7 @@ def experimental_connect_to_cluster(cluster_spec_or_resolver=None, **unused):
         logger.info("Connecting to %s (the TPU is simulated in this process).", resolver.master())
 
 
-def initialize_tpu_system(resolver=None):
+def initialize_tpu_system(cluster_resolver=None):
     """Start the simulated TPU and return its :class:`Topology`.
 
     Logs what it found, as TensorFlow does, once per system: calling it again
@@ -330,6 +413,7 @@ def initialize_tpu_system(resolver=None):
     global _topology
     from keras_tpu.cores import CoreLayout
 
+    resolver = cluster_resolver
     if resolver is None:
         resolver = TPUClusterResolver()
     if not isinstance(resolver, TPUClusterResolver):

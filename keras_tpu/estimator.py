@@ -88,9 +88,8 @@ from keras import tree
 
 from keras_tpu import checkpoints
 from keras_tpu._logging import logger
-from keras_tpu.cluster import TPUClusterResolver, initialize_tpu_system
-from keras_tpu.cores import CoreLayout
-from keras_tpu.replicated_steps import ReplicatedSteps
+from keras_tpu.cluster import TPUClusterResolver
+from keras_tpu.placement import Placement
 
 
 class ModeKeys:
@@ -119,6 +118,7 @@ class TPUEstimatorSpec:
             those given to ``train``, ``evaluate`` and ``predict``.
     """
 
+    # TensorFlow's fields, in its order
     mode: str
     predictions: object = None
     loss: object = None
@@ -131,27 +131,99 @@ class TPUEstimatorSpec:
     evaluation_hooks: object = None
     prediction_hooks: object = None
 
+    def as_estimator_spec(self):
+        """The spec for a CPU run (TensorFlow converts to an ``EstimatorSpec``): this spec itself, which
+        the estimator runs on the CPU as well (``use_tpu=False``, ``eval_on_tpu=False``)."""
+        return self
+
+
+# TensorFlow 1's tf.losses.Reduction values for CrossShardOptimizer's reduction
+_CROSS_SHARD_REDUCTIONS = {"mean": "mean", "sum": "sum", "weighted_mean": "mean", "weighted_sum": "sum"}
+
 
 class CrossShardOptimizer:
-    """Wraps a Keras optimizer so that each core's gradients are combined across all cores.
+    """Wraps a Keras optimizer so that each core's gradients are combined across all cores
+    (TensorFlow 1's ``tf.tpu.CrossShardOptimizer``, same arguments).
 
     Args:
-        optimizer: any ``keras.optimizers.Optimizer``.
-        reduction: ``"mean"`` (the default) averages the cores' gradients,
-            ``"sum"`` adds them.
+        opt: any ``keras.optimizers.Optimizer`` (also accepted as ``optimizer=``).
+        reduction: ``"mean"`` (the default; TensorFlow's
+            ``tf.losses.Reduction.MEAN``, ``"weighted_mean"``) averages the
+            cores' gradients, ``"sum"`` (``"weighted_sum"``) adds them.
+        name: the name :meth:`get_name` returns.
+        group_assignment: must be ``None``: the gradients of all cores are
+            combined (partial groups are refused).
+
+    In ``model_fn``, return the optimizer, or ``optimizer.minimize(loss)`` as
+    TensorFlow 1 code does, as ``TPUEstimatorSpec(train_op=...)``: the
+    estimator computes the spec's loss's gradients on every core, combines
+    them and applies them. Gradients are not symbolic here, so
+    ``compute_gradients``/``apply_gradients`` are refused with that advice.
 
     Example:
         >>> CrossShardOptimizer(keras.optimizers.SGD(0.01)).reduction
         'mean'
     """
 
-    def __init__(self, optimizer, reduction="mean"):
-        if not isinstance(optimizer, keras.optimizers.Optimizer):
-            raise TypeError(f"CrossShardOptimizer wraps a keras.optimizers.Optimizer; got {type(optimizer).__name__}.")
-        if reduction not in ("mean", "sum"):
+    GATE_NONE = 0
+    GATE_OP = 1
+    GATE_GRAPH = 2
+
+    def __init__(self, opt=None, reduction="mean", name="CrossShardOptimizer", group_assignment=None, *,
+                 optimizer=None):
+        if opt is not None and optimizer is not None:
+            raise TypeError("Pass the optimizer once: CrossShardOptimizer(opt) (TensorFlow's name) or optimizer=.")
+        opt = optimizer if opt is None else opt
+        if not isinstance(opt, keras.optimizers.Optimizer):
+            raise TypeError(f"CrossShardOptimizer wraps a keras.optimizers.Optimizer; got {type(opt).__name__}.")
+        if _CROSS_SHARD_REDUCTIONS.get(str(reduction).lower()) is None:
             raise ValueError(f"reduction must be 'mean' or 'sum'; got {reduction!r}.")
-        self.optimizer = optimizer
-        self.reduction = reduction
+        if group_assignment is not None:
+            raise ValueError("CrossShardOptimizer(group_assignment=...): keras_tpu combines the gradients of all "
+                             "cores; partial replica groups are not simulated. Pass group_assignment=None.")
+        self.optimizer = opt
+        self.reduction = _CROSS_SHARD_REDUCTIONS[str(reduction).lower()]
+        self._name = name
+
+    def get_name(self):
+        return self._name
+
+    def variables(self):
+        """The wrapped optimizer's variables (its iteration count and slots, once built)."""
+        return list(self.optimizer.variables)
+
+    def minimize(self, loss, global_step=None, var_list=None, gate_gradients=GATE_OP, aggregation_method=None,
+                 colocate_gradients_with_ops=False, name=None, grad_loss=None):
+        """The ``train_op`` for ``TPUEstimatorSpec``: this optimizer, which the estimator uses to minimize
+        the spec's ``loss`` (pass the same one) and to count the global step. ``gate_gradients``,
+        ``aggregation_method``, ``colocate_gradients_with_ops`` and ``name`` have no effect (graph
+        options); ``var_list`` and ``grad_loss`` are refused."""
+        if var_list is not None:
+            raise ValueError("minimize(var_list=...): every trainable variable of model_fn's layers is trained. "
+                             "Freeze layers with layer.trainable = False instead.")
+        if grad_loss is not None:
+            raise ValueError("minimize(grad_loss=...) is not supported: scale the loss in model_fn instead.")
+        return self
+
+    def _refuse(self, method):
+        raise NotImplementedError(
+            f"CrossShardOptimizer.{method}: gradients are not symbolic tensors in keras_tpu's model_fn. Return the "
+            f"optimizer (or optimizer.minimize(loss)) as TPUEstimatorSpec(train_op=...): the estimator computes the "
+            f"gradients on every core, combines them across cores and applies them.")
+
+    def compute_gradients(self, loss, var_list=None, **kwargs):
+        self._refuse("compute_gradients")
+
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        self._refuse("apply_gradients")
+
+    def get_slot(self, *args, **kwargs):
+        raise NotImplementedError("CrossShardOptimizer.get_slot: a Keras optimizer keeps its slots as variables; "
+                                  "read them with .variables() (or .optimizer.variables).")
+
+    def get_slot_names(self, *args, **kwargs):
+        raise NotImplementedError("CrossShardOptimizer.get_slot_names: a Keras optimizer keeps its slots as "
+                                  "variables; read their paths with [v.path for v in .variables()].")
 
 
 class InputPipelineConfig:
@@ -167,25 +239,166 @@ class InputPipelineConfig:
 
 @dataclasses.dataclass
 class TPUConfig:
-    """TPU settings of a :class:`RunConfig`: steps per device call and number of cores."""
+    """TPU settings of a :class:`RunConfig` (TensorFlow's ``TPUConfig``, same arguments in its order).
+
+    Args:
+        iterations_per_loop: training steps per device call (a positive
+            integer; TensorFlow's time strings such as ``"60s"`` are refused).
+        num_shards: the number of cores (default: all).
+        num_cores_per_replica: ``None`` or 1 (model parallelism is refused).
+        per_host_input_for_training, eval_training_input_configuration: no
+            effect: ``input_fn`` always gets ``params["batch_size"]`` per core
+            and its batches are fed as ``PER_HOST_V2`` (see :class:`InputPipelineConfig`).
+        tpu_job_name, initial_infeed_sleep_secs,
+        experimental_host_call_every_n_steps,
+        experimental_allow_per_host_v2_parallel_get_next,
+        experimental_feed_hook: no effect (one simulated job, no infeed
+            thread, no host call).
+        input_partition_dims: must be ``None`` (spatial partitioning is model
+            parallelism).
+    """
 
     iterations_per_loop: int = 2
     num_shards: int = None
-    per_host_input_for_training: bool = True
+    num_cores_per_replica: int = None
+    per_host_input_for_training: object = True
+    tpu_job_name: str = None
+    initial_infeed_sleep_secs: int = None
+    input_partition_dims: object = None
+    eval_training_input_configuration: int = InputPipelineConfig.PER_HOST_V1
+    experimental_host_call_every_n_steps: int = 1
+    experimental_allow_per_host_v2_parallel_get_next: bool = False
+    experimental_feed_hook: object = None
+
+    def __post_init__(self):
+        steps = self.iterations_per_loop
+        if isinstance(steps, str) or isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+            raise ValueError(f"iterations_per_loop must be a positive number of steps; got {steps!r} (a time such "
+                             f"as '60s' is not supported: give the number of steps per device call).")
+        if self.num_cores_per_replica not in (None, 1):
+            raise ValueError(f"num_cores_per_replica={self.num_cores_per_replica} is model parallelism, which "
+                             f"keras_tpu does not simulate: every core holds the whole model. Use None (or 1) and "
+                             f"num_shards for the number of cores.")
+        if self.input_partition_dims is not None:
+            raise ValueError("input_partition_dims (spatial partitioning over the cores of a replica) needs model "
+                             "parallelism, which keras_tpu does not simulate. Use None: each core gets whole "
+                             "examples.")
+
+
+_RUN_CONFIG_DISTRIBUTE = ("train_distribute", "eval_distribute", "experimental_distribute")
 
 
 @dataclasses.dataclass
 class RunConfig:
-    """Where the estimator runs and keeps its checkpoints."""
+    """Where the estimator runs and keeps its checkpoints (TensorFlow's ``tf.estimator.tpu.RunConfig``).
 
-    master: str = None
-    model_dir: str = None
+    TensorFlow's arguments, in its order: ``tpu_config``, ``evaluation_master``,
+    ``master``, ``cluster``, then (keyword only) those of ``tf.estimator.RunConfig``.
+
+    Args:
+        tpu_config: a :class:`TPUConfig` (default ``TPUConfig()``).
+        evaluation_master: no effect (evaluation runs on the same simulated
+            TPU); defaults to ``master``.
+        master: the TPU's address (``"grpc://..."``); not with ``cluster``.
+        cluster: a :class:`keras_tpu.TPUClusterResolver`.
+        model_dir, tf_random_seed, save_checkpoints_steps, keep_checkpoint_max:
+            as TensorFlow's.
+        save_checkpoints_secs: save a checkpoint when this many seconds have
+            passed since the last one (checked after each device call); not
+            with ``save_checkpoints_steps``. With neither, every
+            ``max(iterations_per_loop, 100)`` steps.
+        save_summary_steps, session_config, keep_checkpoint_every_n_hours,
+        log_step_count_steps, protocol, experimental_max_worker_delay_secs,
+        session_creation_timeout_secs: no effect (no summaries, session, gRPC
+            server or extra kept checkpoints; the loss and step are logged
+            after every device call).
+        train_distribute, eval_distribute, experimental_distribute, device_fn:
+            must be ``None``: the estimator places the computation on the
+            cores itself.
+    """
+
     tpu_config: TPUConfig = None
-    save_checkpoints_steps: int = None
-    keep_checkpoint_max: int = 5
-    log_step_count_steps: int = None
-    tf_random_seed: int = None
+    evaluation_master: str = None
+    master: str = None
     cluster: TPUClusterResolver = None
+    _: dataclasses.KW_ONLY
+    model_dir: str = None
+    tf_random_seed: int = None
+    save_summary_steps: int = 100
+    save_checkpoints_steps: int = None
+    save_checkpoints_secs: float = None
+    session_config: object = None
+    keep_checkpoint_max: int = 5
+    keep_checkpoint_every_n_hours: float = 10000
+    log_step_count_steps: int = 100
+    train_distribute: object = None
+    device_fn: object = None
+    protocol: str = None
+    eval_distribute: object = None
+    experimental_distribute: object = None
+    experimental_max_worker_delay_secs: int = None
+    session_creation_timeout_secs: int = 7200
+
+    def __post_init__(self):
+        if self.master is not None and self.cluster is not None:
+            raise ValueError("Both master and cluster are set.")
+        if self.save_checkpoints_steps is not None and self.save_checkpoints_secs is not None:
+            raise ValueError("Can not provide both save_checkpoints_secs and save_checkpoints_steps.")
+        for name in _RUN_CONFIG_DISTRIBUTE:
+            if getattr(self, name) is not None:
+                raise ValueError(f"RunConfig({name}=...): TPUEstimator distributes over the TPU's cores itself "
+                                 f"(TPUConfig(num_shards=...) picks how many). Pass {name}=None; for a Keras model "
+                                 f"with a strategy, use keras_tpu.TPUStrategy.")
+        if self.device_fn is not None:
+            raise ValueError("RunConfig(device_fn=...): the estimator places model_fn's computation on the TPU's "
+                             "cores itself. Pass device_fn=None.")
+        if self.tpu_config is None:
+            self.tpu_config = TPUConfig()
+        if self.evaluation_master is None:
+            self.evaluation_master = self.master
+
+    def replace(self, **kwargs):
+        """A copy with some arguments changed (TensorFlow's ``RunConfig.replace``)."""
+        unknown = set(kwargs) - {field.name for field in dataclasses.fields(self)} - {"_"}
+        if unknown:
+            raise ValueError(f"Replacing {sorted(unknown)} is not supported: RunConfig has no such argument.")
+        return dataclasses.replace(self, **kwargs)
+
+    # tf.estimator.RunConfig's cluster properties: one TPU worker job, the first worker is the chief
+
+    @property
+    def cluster_spec(self):
+        from keras_tpu.cluster import ClusterSpec
+
+        return self.cluster.cluster_spec() if self.cluster is not None else ClusterSpec({})
+
+    @property
+    def task_type(self):
+        return "worker"
+
+    @property
+    def task_id(self):
+        return jax.process_index()
+
+    @property
+    def global_id_in_cluster(self):
+        return jax.process_index()
+
+    @property
+    def is_chief(self):
+        return jax.process_index() == 0
+
+    @property
+    def num_worker_replicas(self):
+        return jax.process_count()
+
+    @property
+    def num_ps_replicas(self):
+        return 0
+
+    @property
+    def service(self):
+        return None
 
 
 class ExportSavedModelApiVersion(enum.Enum):
@@ -608,17 +821,13 @@ class TPUEstimator:
         self.warm_start_from = _warm_start_settings(warm_start_from)
         tpu_config = self.config.tpu_config or TPUConfig()
         self.iterations_per_loop = int(tpu_config.iterations_per_loop)
-        self._topology, self._job_name, self._cpu_layout = None, "worker", None
-        if self.use_tpu:
-            resolver = self.config.cluster or TPUClusterResolver(self.config.master)
-            topology = initialize_tpu_system(resolver)
-            self._topology, self._job_name = topology, resolver.job_name
-            shards = tpu_config.num_shards or topology.num_cores
-            self.layout = topology.layout if shards == topology.num_cores else \
-                CoreLayout(shards, devices=topology.layout.devices[:shards] if shards <= topology.layout.num_devices
-                           else None)
-        else:
-            self.layout = CoreLayout(1, devices=jax.local_devices()[:1])
+        # One placement per way of running: the TPU's cores (num_shards of them) and the CPU (use_tpu=False,
+        # or evaluation with eval_on_tpu=False).
+        self._tpu = Placement(self.config.cluster or TPUClusterResolver(self.config.master), "default",
+                              num_cores=tpu_config.num_shards, owner="TPUEstimator") if self.use_tpu else None
+        self._cpu = None
+        self._topology = self._tpu.topology if self._tpu is not None else None
+        self._job_name = self._tpu.resolver.job_name if self._tpu is not None else "worker"
         self.batch_sizes = {ModeKeys.TRAIN: train_batch_size, ModeKeys.EVAL: eval_batch_size,
                             ModeKeys.PREDICT: predict_batch_size or eval_batch_size}
         for mode, size in self.batch_sizes.items():
@@ -648,15 +857,20 @@ class TPUEstimator:
         """Whether ``mode`` runs on the TPU cores (else on the CPU, float32)."""
         return self.use_tpu and (mode != ModeKeys.EVAL or self.eval_on_tpu)
 
-    def _layout(self, mode):
-        if self._on_tpu(mode) or not self.use_tpu:
-            return self.layout
-        if self._cpu_layout is None:  # eval_on_tpu=False: evaluation on one CPU core
-            self._cpu_layout = CoreLayout(1, devices=jax.local_devices()[:1])
-        return self._cpu_layout
+    def _placement(self, mode):
+        if self._on_tpu(mode):
+            return self._tpu
+        if self._cpu is None:  # use_tpu=False, or eval_on_tpu=False: one CPU core, float32
+            self._cpu = Placement(on_mxu=False, owner="TPUEstimator")
+        return self._cpu
+
+    @property
+    def layout(self):
+        """The cores training runs on."""
+        return self._placement(ModeKeys.TRAIN).layout
 
     def _cores(self, mode):
-        return self._layout(mode).num_cores
+        return self._placement(mode).num_cores
 
     def _global_batch(self, mode):
         size = self.batch_sizes[mode]
@@ -805,7 +1019,7 @@ class TPUEstimator:
         return model, spec
 
     def _steps(self, model, mode):
-        return ReplicatedSteps(model, self._layout(mode), "default", on_mxu=self._on_tpu(mode))
+        return self._placement(mode).steps_for(model)
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -965,6 +1179,19 @@ class TPUEstimator:
                 shutil.copyfile(source, target)
         return path
 
+    def experimental_export_all_saved_models(self, export_dir_base, input_receiver_fn_map, assets_extra=None,
+                                             as_text=False, checkpoint_path=None):
+        """TensorFlow's export of one graph per mode; keras_tpu exports the PREDICT graph only, so
+        ``input_receiver_fn_map`` must be ``{ModeKeys.PREDICT: serving_input_receiver_fn}``. Returns the
+        export's path, as :meth:`export_saved_model`."""
+        modes = set(input_receiver_fn_map or {})
+        if modes != {ModeKeys.PREDICT}:
+            raise ValueError(f"keras_tpu exports the PREDICT graph only; got modes {sorted(modes)}. Pass "
+                             f"{{ModeKeys.PREDICT: serving_input_receiver_fn}} (or call export_saved_model); train "
+                             f"and evaluate with the estimator itself.")
+        return self.export_saved_model(export_dir_base, input_receiver_fn_map[ModeKeys.PREDICT],
+                                       assets_extra=assets_extra, as_text=as_text, checkpoint_path=checkpoint_path)
+
     def export_savedmodel(self, export_dir_base, serving_input_receiver_fn, assets_extra=None, as_text=False,
                           checkpoint_path=None, strip_default_attrs=False):
         """TensorFlow 1's name (and arguments) of :meth:`export_saved_model`; ``strip_default_attrs`` is
@@ -1025,7 +1252,9 @@ class TPUEstimator:
         train_function = self._steps(model, ModeKeys.TRAIN).train_function(loop_size)
         state = tuple([v.value for v in vs] for vs in (model.trainable_variables, model.non_trainable_variables,
                                                         model.optimizer.variables, model.metrics_variables))
-        save_every = self.config.save_checkpoints_steps or max(self.iterations_per_loop, 100)
+        save_secs = self.config.save_checkpoints_secs
+        save_every = self.config.save_checkpoints_steps or (None if save_secs else max(self.iterations_per_loop, 100))
+        saved_at = time.monotonic()
         hooks("begin")
         listeners("begin")
         hooks("after_create_session", None, None)
@@ -1046,9 +1275,9 @@ class TPUEstimator:
             started = now
             hooks("after_run", run_context, SessionRunValues({"loss": loss, "global_step": global_step}, None, None))
             stop = run_context.stop_requested
-            if global_step - last_saved >= save_every:
+            if (global_step - last_saved >= save_every) if save_every else (time.monotonic() - saved_at >= save_secs):
                 stop = self._save_with_listeners(model, state, global_step, listeners) or stop
-                last_saved = global_step
+                last_saved, saved_at = global_step, time.monotonic()
         if global_step != last_saved:
             self._save_with_listeners(model, state, global_step, listeners)
         listeners("end", None, global_step)

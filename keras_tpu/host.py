@@ -1,15 +1,12 @@
-"""Prepare this process before JAX starts: Keras on JAX, and one JAX device per TPU core.
+"""Prepare this process before JAX starts: Keras on JAX, virtual devices, and a pod's runtime.
 
-The simulated TPU's cores are JAX devices. On a CPU-only host JAX shows a
-single CPU device unless it is told, before its backend starts, to split the
-host into several virtual devices. ``keras_tpu`` therefore runs
-:func:`prepare_host` when it is imported.
-
-If JAX is already running (a Keras model was built before ``import
-keras_tpu``), the device count can no longer change. The simulated TPU still
-works: :class:`keras_tpu.cores.CoreLayout` then places several cores on each
-device, with identical results. :func:`devices_for_cores` explains how to get
-one device per core.
+``keras_tpu`` runs :func:`prepare_host` when it is imported: Keras must use
+its JAX backend, a pod's workers must join JAX's multi-process runtime
+before its backend starts, and JAX is asked for one virtual CPU device per
+simulated core (experiments may lay the cores over several devices of one
+process, see :class:`keras_tpu.cores.CoreLayout`). The default layout needs
+only one device per process (:func:`devices_for_cores`), so nothing is lost
+if JAX was already running when ``keras_tpu`` was imported.
 """
 
 import os

@@ -23,12 +23,24 @@ splits global batches into per-replica shards.
 
 Scopes do not nest, and a model must be created and compiled under the same
 strategy's scope; both mistakes raise a clear error, as in TensorFlow.
+
+The rest of TensorFlow 2's ``tf.distribute.TPUStrategy`` surface is here too,
+with TensorFlow's meaning on the simulated cores:
+:meth:`TPUStrategy.distribute_datasets_from_function` (``dataset_fn`` gets an
+:class:`InputContext` and returns per-replica batches),
+:meth:`TPUStrategy.experimental_distribute_values_from_function`,
+:meth:`TPUStrategy.gather`, :meth:`TPUStrategy.experimental_local_results`,
+:attr:`TPUStrategy.extended` (a :class:`TPUExtended`) and
+:attr:`TPUStrategy.cluster_resolver`. Model parallelism (more than one core
+per replica) is not simulated: a device assignment may choose fewer replicas,
+one core each, and the logical-device helpers accept logical device 0 only.
 """
 
 import contextlib
 import enum
+import itertools
+import math
 import threading
-import types
 import weakref
 
 import jax
@@ -36,7 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 from keras import tree
 
-from keras_tpu import _keras_private, rewrite
+from keras_tpu import _keras_private, pod, rewrite
+from keras_tpu._logging import logger
 from keras_tpu.placement import Placement, installed_on
 
 _active = threading.local()
@@ -73,11 +86,257 @@ class PerReplica:
         return f"PerReplica({self.num_replicas} replicas of {shapes})"
 
 
+def _stack(values, what):
+    """One ``PerReplica`` from a list of per-replica pytrees (same structure and shapes on every replica)."""
+    try:
+        return PerReplica(jax.tree.map(lambda *parts: np.stack([np.asarray(p) for p in parts]), *values))
+    except ValueError as error:  # different structures or shapes
+        raise ValueError(f"{what} must have the same structure and shapes on every replica (a TPU program has "
+                         f"fixed shapes; batch with drop_remainder=True, or pad): {error}") from None
+
+
+def _has_per_replica(value):
+    return any(isinstance(leaf, PerReplica)
+               for leaf in jax.tree.leaves(value, is_leaf=lambda x: isinstance(x, PerReplica)))
+
+
+class InputContext:
+    """What ``distribute_datasets_from_function`` gives ``dataset_fn`` (``tf.distribute.InputContext``).
+
+    Example:
+        >>> context = InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=8)
+        >>> context.get_per_replica_batch_size(1024)
+        128
+    """
+
+    def __init__(self, num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1):
+        self._num_input_pipelines = int(num_input_pipelines)
+        self._input_pipeline_id = int(input_pipeline_id)
+        self._num_replicas_in_sync = int(num_replicas_in_sync)
+
+    @property
+    def num_input_pipelines(self):
+        """How many input pipelines (``dataset_fn`` calls) there are: one per worker."""
+        return self._num_input_pipelines
+
+    @property
+    def input_pipeline_id(self):
+        """This pipeline's index, in ``[0, num_input_pipelines)``: shard the data with it."""
+        return self._input_pipeline_id
+
+    @property
+    def num_replicas_in_sync(self):
+        return self._num_replicas_in_sync
+
+    def get_per_replica_batch_size(self, global_batch_size):
+        """``global_batch_size // num_replicas_in_sync``; an error if it does not divide evenly."""
+        if global_batch_size % self._num_replicas_in_sync:
+            raise ValueError(f"The `global_batch_size` {global_batch_size!r} is not divisible by "
+                             f"`num_replicas_in_sync` {self._num_replicas_in_sync!r}")
+        return global_batch_size // self._num_replicas_in_sync
+
+    def __repr__(self):
+        return (f"InputContext(num_input_pipelines={self._num_input_pipelines}, input_pipeline_id="
+                f"{self._input_pipeline_id}, num_replicas_in_sync={self._num_replicas_in_sync})")
+
+
+class ValueContext:
+    """What ``experimental_distribute_values_from_function`` gives ``value_fn`` (``tf.distribute.ValueContext``)."""
+
+    def __init__(self, replica_id_in_sync_group=0, num_replicas_in_sync=1):
+        self._replica_id_in_sync_group = int(replica_id_in_sync_group)
+        self._num_replicas_in_sync = int(num_replicas_in_sync)
+
+    @property
+    def replica_id_in_sync_group(self):
+        return self._replica_id_in_sync_group
+
+    @property
+    def num_replicas_in_sync(self):
+        return self._num_replicas_in_sync
+
+    def __repr__(self):
+        return (f"ValueContext(replica_id_in_sync_group={self._replica_id_in_sync_group}, "
+                f"num_replicas_in_sync={self._num_replicas_in_sync})")
+
+
+class DistributedDataset:
+    """Per-replica batches (``PerReplica`` values), like ``tf.distribute.DistributedDataset``.
+
+    Each ``iter()`` starts a new pass over the underlying data (if the data
+    can be iterated again: a list or a ``keras.utils.PyDataset`` can, a
+    generator cannot).
+    """
+
+    def __init__(self, make_iterator, description):
+        self._make_iterator = make_iterator
+        self._description = description
+
+    def __iter__(self):
+        return self._make_iterator()
+
+    def __repr__(self):
+        return f"DistributedDataset({self._description})"
+
+
+class DeviceAssignment:
+    """Which cores a :class:`TPUStrategy` uses (``tf.tpu.experimental.DeviceAssignment``, data parallel only).
+
+    ``DeviceAssignment.build(topology, num_replicas=n)`` uses the first ``n``
+    cores, one replica each. A ``computation_shape`` of more than one core
+    (model parallelism) can be built, as in TensorFlow, but ``TPUStrategy``
+    refuses it: the simulated cores each hold the whole model.
+
+    Example:
+        >>> assignment = DeviceAssignment.build(None, num_replicas=2)
+        >>> assignment.num_replicas, assignment.num_cores_per_replica
+        (2, 1)
+    """
+
+    def __init__(self, topology, num_replicas, num_cores_per_replica=1):
+        self.topology = topology
+        self.num_replicas = int(num_replicas)
+        self.num_cores_per_replica = int(num_cores_per_replica)
+
+    @classmethod
+    def build(cls, topology, computation_shape=None, computation_stride=None, num_replicas=1):
+        """TensorFlow's ``DeviceAssignment.build``: ``num_replicas`` replicas of ``prod(computation_shape)``
+        cores each (``computation_stride`` is accepted: the simulated cores have no physical layout)."""
+        cores_per_replica = int(np.prod(computation_shape)) if computation_shape is not None else 1
+        if num_replicas < 1 or cores_per_replica < 1:
+            raise ValueError(f"num_replicas and the computation shape must be positive; got num_replicas="
+                             f"{num_replicas}, computation_shape={computation_shape}.")
+        total = getattr(topology, "num_cores", None)
+        if total is not None and num_replicas * cores_per_replica > total:
+            raise ValueError(f"{num_replicas} replicas of {cores_per_replica} core(s) do not fit on the "
+                             f"{total} cores of the TPU.")
+        return cls(topology, num_replicas, cores_per_replica)
+
+    def __repr__(self):
+        return f"DeviceAssignment(num_replicas={self.num_replicas}, num_cores_per_replica={self.num_cores_per_replica})"
+
+
+class TPUExtended:
+    """``strategy.extended`` (TensorFlow's ``TPUExtended``, a ``tf.distribute.StrategyExtended``).
+
+    Example:
+        >>> extended = TPUStrategy().extended
+        >>> extended.num_hosts, extended.num_replicas_per_host, extended.worker_devices[1]
+        (1, 8, '/job:worker/replica:0/task:0/device:TPU:1')
+    """
+
+    #: As TensorFlow's attribute: the distributed datasets here never give a replica an empty or partial
+    #: step (a dataset that ends inside a step raises instead), so there is nothing optional to get.
+    experimental_enable_get_next_as_optional = False
+
+    def __init__(self, strategy):
+        self._strategy = strategy
+
+    @property
+    def steps_per_run(self):
+        """Steps per device call for the strategy's Keras models (its ``steps_per_execution``)."""
+        return self._strategy.steps_per_execution
+
+    @property
+    def num_replicas_in_sync(self):
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def num_replicas_per_host(self):
+        topology = self._strategy.topology
+        return min(self._strategy.num_replicas_in_sync, topology.cores_per_worker)
+
+    @property
+    def num_hosts(self):
+        return math.ceil(self._strategy.num_replicas_in_sync / self.num_replicas_per_host)
+
+    @property
+    def worker_devices(self):
+        """The replicas' devices, TensorFlow's names: ``/job:worker/replica:0/task:<host>/device:TPU:<core>``."""
+        job = self._strategy.cluster_resolver.job_name
+        per_host = self.num_replicas_per_host
+        return tuple(f"/job:{job}/replica:0/task:{core // per_host}/device:TPU:{core}"
+                     for core in range(self._strategy.num_replicas_in_sync))
+
+    @property
+    def parameter_devices(self):
+        """Where the variables live: on every replica's core (mirrored), as ``worker_devices``."""
+        return self.worker_devices
+
+    @property
+    def experimental_require_static_shapes(self):
+        return True
+
+    @property
+    def experimental_between_graph(self):
+        return False
+
+    @property
+    def experimental_should_init(self):
+        return True
+
+    @property
+    def should_checkpoint(self):
+        """Whether this worker writes checkpoints: the first worker of a pod (every worker holds the weights)."""
+        return pod.is_chief()
+
+    @property
+    def should_save_summary(self):
+        return pod.is_chief()
+
+    def reduce_to(self, reduce_op, value, destinations, options=None):
+        """``strategy.reduce(reduce_op, value)``, the result on the host (``destinations`` and ``options``
+        have no effect: there is one host memory)."""
+        return self._strategy.reduce(reduce_op, value, axis=None)
+
+    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+        """:meth:`reduce_to` of each ``(value, destinations)`` pair, as a list."""
+        return [self.reduce_to(reduce_op, value, destinations, options) for value, destinations in
+                value_destination_pairs]
+
+    def update(self, var, fn, args=(), kwargs=None, group=True):
+        """Run ``fn(var, *args, **kwargs)`` once: a variable of this strategy is one copy that every core
+        reads, so updating it updates every replica. Returns ``fn``'s result."""
+        return fn(var, *args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable):
+        """A context manager with no effect: every variable of the strategy is on every core already."""
+        yield
+
+    @contextlib.contextmanager
+    def experimental_logical_device(self, logical_device_id):
+        """Ops inside run on logical device ``logical_device_id``, which must be 0 (one core per replica)."""
+        self._strategy._check_logical_device(logical_device_id)
+        yield
+
+    def value_container(self, value):
+        """The container of ``value``: the value itself (variables are not split into per-replica copies)."""
+        return value
+
+    def variable_created_in_scope(self, v):
+        """Whether variable ``v`` belongs to a model created under this strategy's scope."""
+        return any(v is variable for model in list(self._strategy._models) for variable in model.variables)
+
+    def __repr__(self):
+        return f"TPUExtended({self._strategy!r})"
+
+
 class TPUStrategy:
     """Data-parallel training on the simulated TPU, like ``tf.distribute.TPUStrategy``.
 
     Args:
         tpu_cluster_resolver: a :class:`TPUClusterResolver` (default: the local v2-8).
+        experimental_device_assignment: ``None`` (every core is a replica) or a
+            :class:`DeviceAssignment` of one core per replica: the strategy
+            then uses its first ``num_replicas`` cores. More cores per replica
+            (model parallelism) is refused.
+        experimental_spmd_xla_partitioning: accepted; without model parallelism
+            there is nothing to partition (as in TensorFlow,
+            :meth:`experimental_assign_to_logical_device` then raises).
+        device_assignment: the name of ``experimental_device_assignment`` in
+            TensorFlow 1.15 to 2.2 (``tf.distribute.experimental.TPUStrategy``).
+        steps_per_run: TensorFlow 1.15's name of ``steps_per_execution``.
         steps_per_execution: steps per device call for models of this
             strategy that do not set ``steps_per_execution`` in ``compile``.
         precision: MXU precision (``"default"``, ``"high"``, ``"highest"``).
@@ -88,15 +347,55 @@ class TPUStrategy:
         8
     """
 
-    def __init__(self, tpu_cluster_resolver=None, steps_per_execution=1, precision="default"):
-        self.placement = Placement(tpu_cluster_resolver, precision, steps_per_execution=steps_per_execution,
-                                   owner="TPUStrategy")
+    def __init__(self, tpu_cluster_resolver=None, experimental_device_assignment=None,
+                 experimental_spmd_xla_partitioning=False, *, device_assignment=None, steps_per_run=None,
+                 steps_per_execution=1, precision="default"):
+        if device_assignment is not None and experimental_device_assignment is not None:
+            raise ValueError("Pass experimental_device_assignment or its older name device_assignment, not both.")
+        assignment = experimental_device_assignment if device_assignment is None else device_assignment
+        if steps_per_run is not None:
+            if steps_per_execution not in (1, steps_per_run):
+                raise ValueError(f"steps_per_run={steps_per_run} is TensorFlow 1's name of steps_per_execution="
+                                 f"{steps_per_execution}; pass only one of them.")
+            steps_per_execution = steps_per_run
+        self.placement = Placement(tpu_cluster_resolver, precision, num_cores=self._cores_of(assignment),
+                                   steps_per_execution=steps_per_execution, owner="TPUStrategy")
+        self._device_assignment = assignment
+        self._spmd = bool(experimental_spmd_xla_partitioning)
         self._models = weakref.WeakSet()
         self._run_programs = {}
+        self._extended = TPUExtended(self)
+
+    @staticmethod
+    def _cores_of(assignment):
+        if assignment is None:
+            return None
+        replicas = getattr(assignment, "num_replicas", None)
+        per_replica = getattr(assignment, "num_cores_per_replica", None)
+        if replicas is None or per_replica is None:
+            raise TypeError(f"experimental_device_assignment must be a keras_tpu.DeviceAssignment (or None); got "
+                            f"{type(assignment).__name__}.")
+        if per_replica != 1:
+            raise ValueError(
+                f"A device assignment of {per_replica} cores per replica is model parallelism, which keras_tpu "
+                f"does not simulate: every core holds the whole model. Use experimental_device_assignment=None "
+                f"(data parallel on all cores) or DeviceAssignment.build(topology, num_replicas=n) (the first n "
+                f"cores, one replica each).")
+        return replicas
 
     @property
     def resolver(self):
         return self.placement.resolver
+
+    @property
+    def cluster_resolver(self):
+        """The :class:`TPUClusterResolver` of this strategy (the one given, or the default local one)."""
+        return self.placement.resolver
+
+    @property
+    def extended(self):
+        """The :class:`TPUExtended` of this strategy (``steps_per_run``, ``worker_devices``, ``reduce_to``, ...)."""
+        return self._extended
 
     @property
     def topology(self):
@@ -116,6 +415,7 @@ class TPUStrategy:
 
     @property
     def num_replicas_in_sync(self):
+        """The number of replicas (cores) over which gradients are averaged: 8 on a v2-8."""
         return self.layout.num_cores
 
     # -- the scope ---------------------------------------------------------------------
@@ -161,11 +461,13 @@ class TPUStrategy:
 
     # -- custom training loops -----------------------------------------------------------
 
-    def experimental_distribute_dataset(self, dataset):
+    def experimental_distribute_dataset(self, dataset, options=None):
         """Split each global batch of ``dataset`` (an iterable of arrays, tuples or dicts) into
-        per-replica shards.
+        per-replica shards: a :class:`DistributedDataset` of ``PerReplica`` batches.
 
         The global batch size must be a multiple of :attr:`num_replicas_in_sync`.
+        ``options`` (TensorFlow's ``tf.distribute.InputOptions``: prefetching and
+        placement of the input) has no effect here.
 
         Example:
             >>> batches = [np.ones((16, 3))] * 2
@@ -173,22 +475,98 @@ class TPUStrategy:
             [8, 8]
         """
         replicas = self.num_replicas_in_sync
-        for batch in dataset:
-            def shard(a):
-                a = np.asarray(a)
-                if a.shape[0] % replicas:
-                    raise ValueError(f"A global batch of {a.shape[0]} rows cannot be split evenly over "
-                                     f"{replicas} replicas; use a batch size that is a multiple of {replicas}.")
-                return a.reshape((replicas, a.shape[0] // replicas) + a.shape[1:])
-            yield PerReplica(tree.map_structure(shard, batch))
 
-    def run(self, fn, args=(), kwargs=None):
+        def shard(a):
+            a = np.asarray(a)
+            if a.ndim == 0 or a.shape[0] % replicas:
+                rows = a.shape[0] if a.ndim else "a scalar, not"
+                raise ValueError(f"A global batch of {rows} rows cannot be split evenly over {replicas} "
+                                 f"replicas; use a batch size that is a multiple of {replicas}.")
+            return a.reshape((replicas, a.shape[0] // replicas) + a.shape[1:])
+
+        def batches():
+            for batch in dataset:
+                yield PerReplica(tree.map_structure(shard, batch))
+
+        return DistributedDataset(batches, f"global batches split over {replicas} replicas")
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """Per-replica batches from ``dataset_fn(input_context)``, as TensorFlow's.
+
+        ``dataset_fn`` gets an :class:`InputContext` (``num_input_pipelines``,
+        ``input_pipeline_id``, ``num_replicas_in_sync``,
+        ``get_per_replica_batch_size(global_batch_size)``) and returns an
+        iterable of batches that are already **per replica** (arrays, tuples
+        or dicts). Each step takes one batch per replica of the pipeline's
+        worker, in order, and gives them to the replicas as a ``PerReplica``.
+        There is one input pipeline per worker; in a pod every process builds
+        all pipelines (they hold the same data everywhere), so ``dataset_fn``
+        is called once per worker in each process. A dataset that ends in the
+        middle of a step is an error (a replica would have no data).
+        ``options`` has no effect here.
+
+        Example:
+            >>> strategy = TPUStrategy()
+            >>> def dataset_fn(context):
+            ...     rows = context.get_per_replica_batch_size(32)
+            ...     return [np.full((rows, 2), i, dtype=np.float32) for i in range(16)]
+            >>> steps = list(strategy.distribute_datasets_from_function(dataset_fn))
+            >>> len(steps), steps[1].values[0].shape, float(steps[1].values[0][0, 0])
+            (2, (4, 2), 8.0)
+        """
+        replicas = self.num_replicas_in_sync
+        pipelines = self.extended.num_hosts
+        per_pipeline = replicas // pipelines
+        datasets = [dataset_fn(InputContext(pipelines, i, replicas)) for i in range(pipelines)]
+
+        def steps():
+            iterators = [iter(d) for d in datasets]
+            step = 0
+            while True:
+                parts = []
+                for iterator in iterators:
+                    parts += list(itertools.islice(iterator, per_pipeline))
+                if not parts:
+                    return
+                if len(parts) < replicas:
+                    raise ValueError(
+                        f"The dataset of dataset_fn ended in the middle of step {step}: {len(parts)} batch(es) for "
+                        f"{replicas} replicas. Each step takes one per-replica batch per replica; repeat the "
+                        f"dataset or give it a multiple of {per_pipeline} batches per input pipeline.")
+                yield _stack(parts, "The per-replica batches of dataset_fn")
+                step += 1
+
+        return DistributedDataset(steps, f"per-replica batches of {getattr(dataset_fn, '__name__', 'dataset_fn')}")
+
+    def experimental_distribute_datasets_from_function(self, dataset_fn, options=None):
+        """TensorFlow 2.0-2.3's name of :meth:`distribute_datasets_from_function` (deprecated there since 2.4)."""
+        return self.distribute_datasets_from_function(dataset_fn, options)
+
+    def experimental_distribute_values_from_function(self, value_fn):
+        """A ``PerReplica`` of ``value_fn(value_context)`` for each replica; ``value_context`` is a
+        :class:`ValueContext` (``replica_id_in_sync_group``, ``num_replicas_in_sync``).
+
+        Example:
+            >>> strategy = TPUStrategy()
+            >>> values = strategy.experimental_distribute_values_from_function(
+            ...     lambda context: context.replica_id_in_sync_group * 10)
+            >>> [int(v) for v in strategy.experimental_local_results(values)][:3]
+            [0, 10, 20]
+        """
+        replicas = self.num_replicas_in_sync
+        values = [value_fn(ValueContext(i, replicas)) for i in range(replicas)]
+        values = [np.asarray(v) if isinstance(v, list) else v for v in values]  # a list is a tensor, as in TF
+        return _stack(values, "The values of value_fn")
+
+    def run(self, fn, args=(), kwargs=None, options=None):
         """Run ``fn`` once per replica: ``PerReplica`` arguments give each replica its part,
         other array arguments are given whole to every replica. Returns ``fn``'s output
         structure with a ``PerReplica`` at each leaf.
 
         Matrix products in ``fn`` run on the MXU. Each function is compiled once
         per argument shapes, so pass the same function object on every step.
+        ``options`` (TensorFlow's ``tf.distribute.RunOptions``: dynamic batch
+        sizes, bucketizing) has no effect: every program here has fixed shapes.
 
         Example:
             >>> strategy = TPUStrategy()
@@ -254,9 +632,86 @@ class TPUStrategy:
 
         return jax.tree.map(reduce_leaf, value, is_leaf=lambda x: isinstance(x, PerReplica))
 
+    def gather(self, value, axis):
+        """Concatenate the replicas' parts of ``value`` along ``axis`` on the host, as TensorFlow's.
+
+        ``value`` is a ``PerReplica`` (or a structure of them); a plain array counts as the same
+        value on every replica. Each part must have rank >= 1 and ``0 <= axis < rank``.
+
+        Example:
+            >>> strategy = TPUStrategy()
+            >>> parts = strategy.experimental_distribute_values_from_function(lambda c: [[c.replica_id_in_sync_group]])
+            >>> strategy.gather(parts, axis=0).ravel().tolist()
+            [0, 1, 2, 3, 4, 5, 6, 7]
+        """
+        replicas = self.num_replicas_in_sync
+
+        def concatenate(stacked):  # stacked on a leading replica axis
+            stacked = jnp.asarray(stacked)
+            rank = stacked.ndim - 1
+            if rank == 0:
+                raise ValueError("gather needs per-replica values of rank >= 1 (a scalar has no axis to "
+                                 "concatenate along); use experimental_local_results or reduce for scalars.")
+            if not -rank <= axis < rank:
+                raise ValueError(f"axis {axis} is out of range for per-replica values of rank {rank}.")
+            return jnp.concatenate(list(stacked), axis=axis)
+
+        def gather_leaf(leaf):
+            if isinstance(leaf, PerReplica):
+                return jax.tree.map(concatenate, leaf.stacked)
+            return concatenate(jnp.broadcast_to(jnp.asarray(leaf), (replicas,) + jnp.shape(leaf)))
+
+        return jax.tree.map(gather_leaf, value, is_leaf=lambda x: isinstance(x, PerReplica))
+
     def experimental_local_results(self, value):
-        """The per-replica parts of ``value`` as a tuple (a 1-tuple for a plain value)."""
-        return value.values if isinstance(value, PerReplica) else (value,)
+        """The per-replica parts of ``value`` as a tuple, one entry per replica of this worker (a 1-tuple
+        for a plain value). A structure holding ``PerReplica`` leaves gives one such structure per replica."""
+        if isinstance(value, PerReplica):
+            return value.values
+        if not _has_per_replica(value):
+            return (value,)
+        leaves, treedef = jax.tree.flatten(value, is_leaf=lambda x: isinstance(x, PerReplica))
+        replicas = self.num_replicas_in_sync
+        per_leaf = [leaf.values if isinstance(leaf, PerReplica) else (leaf,) * replicas for leaf in leaves]
+        return tuple(jax.tree.unflatten(treedef, [parts[i] for parts in per_leaf]) for i in range(replicas))
+
+    def experimental_run_v2(self, fn, args=(), kwargs=None, options=None):
+        """TensorFlow 1.15-2.1's name of :meth:`run`."""
+        return self.run(fn, args=args, kwargs=kwargs, options=options)
+
+    # -- logical devices (model parallelism: one logical device per replica here) ----------------
+
+    def _check_logical_device(self, logical_device_id):
+        if self._spmd:
+            raise ValueError("experimental_assign_to_logical_device is not allowed with "
+                             "experimental_spmd_xla_partitioning=True (as in TensorFlow); use "
+                             "experimental_split_to_logical_devices or experimental_replicate_to_logical_devices.")
+        if logical_device_id != 0:
+            raise ValueError(f"logical_device_id {logical_device_id} is out of range: each replica has one logical "
+                             f"device (0) here, as keras_tpu does not simulate model parallelism. Use 0, or leave "
+                             f"the tensor unannotated.")
+
+    def experimental_assign_to_logical_device(self, tensor, logical_device_id):
+        """``tensor`` itself, on logical device ``logical_device_id`` (which must be 0: one core per replica)."""
+        self._check_logical_device(logical_device_id)
+        return tensor
+
+    def experimental_split_to_logical_devices(self, tensor, partition_dimensions):
+        """``tensor`` itself: with one logical device per replica, ``partition_dimensions`` (one entry per
+        dimension of ``tensor``) must multiply to 1."""
+        dims = list(partition_dimensions)
+        if len(dims) != len(jnp.shape(tensor)):
+            raise ValueError(f"partition_dimensions {dims} must have one entry per dimension of the tensor "
+                             f"(rank {len(jnp.shape(tensor))}).")
+        if int(np.prod(dims)) != 1:
+            raise ValueError(f"partition_dimensions {dims} split the tensor over {int(np.prod(dims))} logical "
+                             f"devices, but each replica has one here (keras_tpu does not simulate model "
+                             f"parallelism). Use all ones, or do not split the tensor.")
+        return tensor
+
+    def experimental_replicate_to_logical_devices(self, tensor):
+        """``tensor`` itself (every replica's single logical device has all of it)."""
+        return tensor
 
     def __repr__(self):
         return f"TPUStrategy({self.topology.accelerator_type}, replicas={self.num_replicas_in_sync})"

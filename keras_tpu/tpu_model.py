@@ -21,13 +21,22 @@ stay between calls; ``sync_to_cpu``, ``get_weights`` and ``save_weights``
 copy them back to the CPU model.
 """
 
+import collections
+import itertools
+
 import keras
+import numpy as np
+from keras import tree
 
 from keras_tpu import _keras_private, pod, weights
 from keras_tpu._logging import logger
 from keras_tpu.placement import Placement, installed_on
 from keras_tpu.profile import profile as _profile
-from keras_tpu.replicated_steps import check_steps_supported
+from keras_tpu.custom_steps import custom_step_methods
+
+
+TPUAssignment = collections.namedtuple("TPUAssignment", ["worker_name", "num_towers"])
+TPUAssignment.__doc__ = "The TPU job and the number of cores (towers) a :class:`KerasTPUModel` runs on."
 
 
 class TPUDistributionStrategy:
@@ -107,6 +116,7 @@ class KerasTPUModel(keras.Model):
             self.built = True
         compile_args = _keras_private.compile_arguments(cpu_model)
         if compile_args:
+            compile_args.pop("run_eagerly", None)  # the CPU model's own debugging choice; the TPU runs programs
             self.compile(**compile_args)
 
     # -- the CPU model's face ------------------------------------------------------------
@@ -140,6 +150,176 @@ class KerasTPUModel(keras.Model):
     def summary(self, *args, **kwargs):
         self._cpu_model.summary(*args, **kwargs)
         (kwargs.get("print_fn") or print)(f"Runs on: {self._strategy.placement.describe()}")
+
+    # -- TF 1.x's compile, fit, evaluate and predict arguments, on Keras 3's -----------------
+
+    def compile(self, optimizer="rmsprop", loss=None, metrics=None, loss_weights=None, sample_weight_mode=None,
+                weighted_metrics=None, target_tensors=None, **kwargs):
+        """Compile for the TPU, with TF 1.x ``KerasTPUModel.compile``'s arguments in its order.
+
+        ``optimizer``, ``loss``, ``metrics``, ``loss_weights`` and ``weighted_metrics``
+        are Keras 3's (TensorFlow refused ``weighted_metrics`` on a TPU; Keras 3 and
+        keras_tpu support it, padding rows excluded). ``sample_weight_mode`` may be
+        ``None`` or ``"temporal"`` and has no effect: Keras 3 weighs per time step
+        when ``sample_weight`` has a time axis. ``target_tensors`` is refused: pass
+        the targets as ``y``. Other keywords go to Keras 3's ``compile``
+        (``steps_per_execution``, ``jit_compile``, ``auto_scale_loss``);
+        ``run_eagerly=True`` and ``distribute`` are refused.
+        """
+        modes = sample_weight_mode.values() if isinstance(sample_weight_mode, dict) else \
+            sample_weight_mode if isinstance(sample_weight_mode, (list, tuple)) else [sample_weight_mode]
+        if any(mode not in (None, "temporal") for mode in modes):
+            raise ValueError(f"sample_weight_mode must be None or 'temporal'; got {sample_weight_mode!r}. (Keras 3 "
+                             f"has no sample_weight_mode: give sample_weight of shape (batch, timesteps) to weigh "
+                             f"time steps.)")
+        if target_tensors is not None:
+            raise ValueError("compile(target_tensors=...) is not supported (TensorFlow refused it on TPUs too, and "
+                             "Keras 3 has no target tensors): pass the targets as y to fit/evaluate.")
+        if kwargs.get("run_eagerly"):
+            raise ValueError("run_eagerly=True: the TPU runs compiled programs only. Debug eagerly on the CPU "
+                             "model (tpu_model.cpu_model.compile(..., run_eagerly=True)).")
+        kwargs.pop("run_eagerly", None)
+        if kwargs.pop("distribute", None) is not None:
+            raise ValueError("compile(distribute=...): this model is already distributed over the TPU's cores by "
+                             "keras_to_tpu_model; for a strategy of your own build the model under "
+                             "keras_tpu.TPUStrategy().scope().")
+        super().compile(optimizer=optimizer, loss=loss, metrics=metrics, loss_weights=loss_weights,
+                        weighted_metrics=weighted_metrics, **kwargs)
+
+    def _input_fn_batches(self, input_fn, what):
+        """TF 1.x's ``fit(x=function)``: the function returns a dataset of **per-core** batches; each step
+        takes one per core (the global batch), and the dataset is made again when it ends."""
+        cores = self._strategy.num_cores
+
+        def batches():
+            while True:
+                iterator, produced = iter(input_fn()), False
+                while True:
+                    parts = list(itertools.islice(iterator, cores))
+                    if len(parts) < cores:
+                        break  # a partial step at the end: dropped, as drop_remainder=True does
+                    produced = True
+                    yield tree.map_structure(lambda *a: np.concatenate([np.asarray(p) for p in a]), *parts)
+                if not produced:
+                    raise ValueError(f"The dataset function given as {what} produced fewer than {cores} per-core "
+                                     f"batches: each step takes one per core.")
+
+        return batches()
+
+    def _resolve_data(self, x, y, steps, steps_name, what):
+        if callable(x) and not hasattr(x, "__iter__") and not hasattr(x, "__getitem__"):
+            if y is not None:
+                raise ValueError(f"When {what} is a function returning a dataset, y must be None (the dataset "
+                                 f"gives (x, y) pairs).")
+            if steps is None:
+                raise ValueError(f"When {what} is a function returning a dataset, {steps_name} is required (as in "
+                                 f"TensorFlow 1).")
+            return self._input_fn_batches(x, what), None
+        return x, y
+
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None, validation_split=0.0,
+            validation_data=None, shuffle=True, class_weight=None, sample_weight=None, initial_epoch=0,
+            steps_per_epoch=None, validation_steps=None, validation_freq=1, max_queue_size=10, workers=1,
+            use_multiprocessing=False, validation_batch_size=None, **kwargs):
+        """Keras 3's ``fit`` on the TPU's programs, with TF 1.x's arguments.
+
+        ``x`` may also be a function returning an iterable of **per-core**
+        ``(x, y)`` batches (TF 1.x's ``KerasTPUModel``: each step takes one per
+        core; ``steps_per_epoch`` required), and so may ``validation_data``
+        (``validation_steps`` required). ``nb_epoch`` is Keras 1's name of
+        ``epochs``. ``max_queue_size``, ``workers``, ``use_multiprocessing`` and
+        ``_pipeline`` have no effect (Keras 3 takes the first three from a
+        ``keras.utils.PyDataset``; there is no separate pipelined loop).
+        """
+        if "nb_epoch" in kwargs:
+            nb_epoch = kwargs.pop("nb_epoch")
+            if epochs not in (1, nb_epoch):
+                raise ValueError(f"nb_epoch={nb_epoch} is the old name of epochs={epochs}; pass only epochs.")
+            epochs = nb_epoch
+        kwargs.pop("_pipeline", None)
+        if kwargs:
+            raise TypeError(f"fit() got unexpected keyword arguments {sorted(kwargs)}.")
+        x, y = self._resolve_data(x, y, steps_per_epoch, "steps_per_epoch", "x")
+        if callable(validation_data) and not hasattr(validation_data, "__iter__"):
+            validation_data, _ = self._resolve_data(validation_data, None, validation_steps, "validation_steps",
+                                                    "validation_data")
+        return super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
+                           validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
+                           class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
+                           steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+                           validation_batch_size=validation_batch_size, validation_freq=validation_freq)
+
+    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,
+                 callbacks=None, max_queue_size=10, workers=1, use_multiprocessing=False, return_dict=False,
+                 **kwargs):
+        """Keras 3's ``evaluate`` on the TPU's programs, with TF 1.x's arguments (``x`` may be a function
+        returning per-core batches, with ``steps``; ``max_queue_size``, ``workers`` and
+        ``use_multiprocessing`` have no effect)."""
+        x, y = self._resolve_data(x, y, steps, "steps", "x")
+        return super().evaluate(x, y, batch_size=batch_size, verbose=verbose, sample_weight=sample_weight,
+                                steps=steps, callbacks=callbacks, return_dict=return_dict, **kwargs)
+
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, max_queue_size=10, workers=1,
+                use_multiprocessing=False, callbacks=None):
+        """Keras 3's ``predict`` on the TPU's programs, one row per input, with TF 1.x's arguments
+        (``max_queue_size``, ``workers`` and ``use_multiprocessing`` have no effect)."""
+        return super().predict(x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
+
+    def _keep_metrics(self, reset_metrics, method, *args, **kwargs):
+        """Run Keras 3's ``*_on_batch`` (which resets the metrics first) keeping them if ``reset_metrics`` is
+        False, as TF 1.x's ``reset_metrics=False`` does."""
+        if reset_metrics:
+            return method(*args, **kwargs)
+        self.__dict__["reset_metrics"] = lambda: None  # shadows the class method for this call only
+        try:
+            return method(*args, **kwargs)
+        finally:
+            del self.__dict__["reset_metrics"]
+
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, reset_metrics=True,
+                       return_dict=False):
+        """One training step on the TPU. ``reset_metrics=False`` accumulates the metrics over calls."""
+        return self._keep_metrics(reset_metrics, super().train_on_batch, x, y, sample_weight=sample_weight,
+                                  class_weight=class_weight, return_dict=return_dict)
+
+    def test_on_batch(self, x, y=None, sample_weight=None, reset_metrics=True, return_dict=False):
+        """One evaluation step on the TPU. ``reset_metrics=False`` accumulates the metrics over calls."""
+        return self._keep_metrics(reset_metrics, super().test_on_batch, x, y, sample_weight=sample_weight,
+                                  return_dict=return_dict)
+
+    # -- TF 1.x's model properties -----------------------------------------------------------
+
+    @property
+    def cpu_optimizer(self):
+        """The CPU model's optimizer (TF 1.x's ``KerasTPUModel.cpu_optimizer``)."""
+        return self._cpu_model.optimizer
+
+    @property
+    def stateful(self):
+        """Whether any layer is stateful (a stateful RNN), as TF 1.x's ``Model.stateful``."""
+        return any(getattr(layer, "stateful", False) for layer in _keras_private.all_layers(self._cpu_model))
+
+    def reset_states(self):
+        """Reset the states of the stateful layers (TF 1.x's ``Model.reset_states``)."""
+        self.jax_state_sync()
+        for layer in _keras_private.all_layers(self._cpu_model):
+            if getattr(layer, "stateful", False) and callable(getattr(layer, "reset_states", None)):
+                layer.reset_states()
+
+    def get_config(self):
+        """TF 1.x's ``KerasTPUModel.get_config``: ``{"cpu_model", "tpu_name_or_address", "tpu_assignment"}``
+        (not a Keras serialization: save the CPU model, or use :meth:`to_json`)."""
+        resolver = self._strategy.resolver
+        return {"cpu_model": self._cpu_model, "tpu_name_or_address": resolver.master() or resolver.tpu,
+                "tpu_assignment": TPUAssignment(resolver.job_name, self._strategy.num_cores)}
+
+    def to_json(self, **kwargs):
+        """The CPU model's architecture as JSON (``keras.models.model_from_json`` rebuilds it)."""
+        return self._cpu_model.to_json(**kwargs)
+
+    def to_yaml(self, **kwargs):
+        raise RuntimeError("to_yaml() was removed from Keras (TensorFlow 2.x refuses it too: YAML loading can run "
+                           "arbitrary code). Use to_json() instead.")
 
     # -- TF 1.x Keras' generator methods, on Keras 3's fit/evaluate/predict ----------------
 
@@ -199,18 +379,25 @@ class KerasTPUModel(keras.Model):
     def set_weights(self, weights_list):
         self._cpu_model.set_weights(weights_list)  # copied to the cores by the next TPU step
 
-    def save_weights(self, filepath, overwrite=True):
+    def save_weights(self, filepath, overwrite=True, save_format=None):
         """Save the weights: ``"x.h5"`` in tf.keras' HDF5 layout, ``"x.weights.h5"`` in Keras 3's.
 
         Either loads into the plain CPU model with ``model.load_weights``.
+        ``save_format``: ``None`` or ``"h5"`` (both HDF5, by the file name);
+        ``"tf"`` (a TensorFlow checkpoint) is refused.
         """
+        _check_save_format(save_format, filepath, ("h5", "hdf5"), "a weights file name ending in '.h5' (tf.keras' "
+                           "layout) or '.weights.h5' (Keras 3's)")
         self.sync_to_cpu()
         weights.save_weights(self._cpu_model, filepath, overwrite=overwrite)
 
-    def load_weights(self, filepath, **kwargs):
+    def load_weights(self, filepath, by_name=False, skip_mismatch=False, **kwargs):
         """Load weights from a ``.h5`` (tf.keras 2.x or Keras 3, weights or whole model), ``.weights.h5``
-        or ``.keras`` file."""
-        weights.load_weights(self._cpu_model, filepath, **kwargs)
+        or ``.keras`` file. ``by_name=True`` matches layers by name (``.h5`` files only, as in
+        TensorFlow); ``skip_mismatch`` skips layers whose weights do not fit."""
+        if by_name:
+            kwargs["by_name"] = True
+        weights.load_weights(self._cpu_model, filepath, skip_mismatch=skip_mismatch, **kwargs)
 
     def profile(self, batch_size=None, accelerator_type=None, dataset_size=None):
         """The :class:`keras_tpu.TPUProfile` of this model on its TPU (see :func:`keras_tpu.profile`).
@@ -230,10 +417,28 @@ class KerasTPUModel(keras.Model):
             export_model(self._cpu_model, path, self._strategy.precision)
         return path
 
-    def save(self, filepath, overwrite=True, **kwargs):
-        """Save the CPU model (with the trained weights) as ``model.save`` does."""
+    def save(self, filepath, overwrite=True, include_optimizer=True, save_format=None, signatures=None,
+             options=None, **kwargs):
+        """Save the CPU model (with the trained weights) as ``model.save`` does: ``"x.keras"`` or legacy
+        ``"x.h5"``. ``save_format="tf"``, ``signatures`` and ``options`` (a TensorFlow SavedModel) are
+        refused: :meth:`export` writes the servable model."""
+        _check_save_format(save_format, filepath, ("h5", "keras"), "'name.keras' or 'name.h5' (and "
+                           "tpu_model.export(path) for a servable model)")
+        if signatures is not None or options is not None:
+            raise ValueError("save(signatures=..., options=...) belong to TensorFlow's SavedModel, which keras_tpu "
+                             "does not write. Use tpu_model.export(path) for a servable model (keras_tpu."
+                             "load_exported loads it), or save 'name.keras'.")
         self.sync_to_cpu()
-        weights.save_model(self._cpu_model, filepath, overwrite=overwrite, **kwargs)
+        weights.save_model(self._cpu_model, filepath, overwrite=overwrite, include_optimizer=include_optimizer,
+                           **kwargs)
+
+
+def _check_save_format(save_format, filepath, formats, alternative):
+    if save_format is None:
+        return
+    if str(save_format).lower() not in formats:
+        raise ValueError(f"save_format={save_format!r}: keras_tpu writes no TensorFlow checkpoints or SavedModels. "
+                         f"Save to {alternative}.")
 
 
 def keras_to_tpu_model(model, strategy=None):
@@ -257,7 +462,12 @@ def keras_to_tpu_model(model, strategy=None):
                         f"got {type(model).__module__}.{type(model).__name__}.")
     if isinstance(model, KerasTPUModel) or installed_on(model) is not None:
         raise ValueError("This model already runs on the TPU.")
-    check_steps_supported(model)
+    custom = custom_step_methods(model)
+    if custom:
+        raise ValueError(
+            f"{type(model).__name__} replaces Keras' {', '.join(custom)}, which the TPU model made by "
+            f"keras_to_tpu_model would not call (it wraps the CPU model and runs Keras' steps). Build the model "
+            f"under keras_tpu.TPUStrategy().scope() instead: it then runs its own steps on the TPU cores.")
     own = _keras_private.overridden_methods(model, ("compute_loss", "compute_metrics"))
     if own:
         raise ValueError(

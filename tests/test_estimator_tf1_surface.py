@@ -4,6 +4,7 @@ evaluate/train arguments and hooks, checkpoints by path and variable names, warm
 import inspect
 import itertools
 import json
+import logging
 import os
 import re
 import time
@@ -16,6 +17,7 @@ import keras_tpu
 from keras_tpu import estimator as tpu_estimator
 from keras_tpu.estimator import ModeKeys, TPUEstimator, TPUEstimatorSpec
 from tests.test_tpu_estimator import dense_model_fn, mnist
+from tests.tpu_helpers import compiled_programs
 
 TF_115_CONSTRUCTOR = ["model_fn", "model_dir", "config", "params", "use_tpu", "train_batch_size", "eval_batch_size",
                       "predict_batch_size", "batch_axis", "eval_on_tpu", "export_to_tpu", "export_to_cpu",
@@ -264,20 +266,14 @@ def test_predict_is_lazy_and_works_on_an_endless_input(tmp_path):
 # -- evaluate --------------------------------------------------------------------------------------
 
 
-def test_evaluate_steps_takes_and_runs_only_those_steps(tmp_path, monkeypatch):
-    program_steps = []
-
-    class RecordingSteps(tpu_estimator.ReplicatedSteps):
-        def predict_function(self, steps_per_execution=1):
-            program_steps.append(steps_per_execution)
-            return super().predict_function(steps_per_execution)
-
-    monkeypatch.setattr(tpu_estimator, "ReplicatedSteps", RecordingSteps)
+def test_evaluate_steps_takes_and_runs_only_those_steps(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="keras_tpu")
+    program_steps = lambda: [steps for mode, _, steps in compiled_programs(caplog) if mode == "predict"]
     estimator = make(tmp_path, iterations=234, batch=128)  # 234 steps: a 30,000-example epoch per call
     estimator.train(train_arrays, steps=1)
     x, y = mnist("test", 10_000)
     one_step = estimator.evaluate(lambda params: (x, y), steps=1)
-    assert program_steps == [1]  # a program of one step, not of iterations_per_loop stacked steps
+    assert program_steps() == [1]  # a program of one step, not of iterations_per_loop stacked steps
     assert one_step == pytest.approx(estimator.evaluate(lambda params: (x[:128], y[:128])), rel=1e-6)
 
     pulled = []
@@ -289,9 +285,9 @@ def test_evaluate_steps_takes_and_runs_only_those_steps(tmp_path, monkeypatch):
                 yield x[i * 16:(i + 1) * 16], y[i * 16:(i + 1) * 16]
         return batches()
 
-    program_steps.clear()
+    caplog.clear()
     three = make(tmp_path, iterations=2, batch=128).evaluate(per_core_batches, steps=3)
-    assert len(pulled) == 3 * 8 and program_steps == [2]
+    assert len(pulled) == 3 * 8 and program_steps() == [2, 1]  # 2 + 1 steps, no idle step
     assert three == pytest.approx(estimator.evaluate(lambda params: (x[:384], y[:384])), rel=1e-6)
 
 
@@ -382,7 +378,9 @@ def test_the_logged_loop_time_includes_the_device_work(tmp_path, caplog, monkeyp
             time.sleep(self.wait)
             return float(self.value)
 
-    class SlowDevice(tpu_estimator.ReplicatedSteps):
+    from keras_tpu import placement
+
+    class SlowDevice(placement.ReplicatedSteps):
         def train_function(self, steps_per_execution=1):
             run, calls = super().train_function(steps_per_execution), []
 
@@ -392,7 +390,7 @@ def test_the_logged_loop_time_includes_the_device_work(tmp_path, caplog, monkeyp
                 return dict(logs, loss=NotReady(logs["loss"], 0.5 if len(calls) == 2 else 0.0)), state
             return slow
 
-    monkeypatch.setattr(tpu_estimator, "ReplicatedSteps", SlowDevice)
+    monkeypatch.setattr(placement, "ReplicatedSteps", SlowDevice)
     import logging
     logger = logging.getLogger("keras_tpu")
     logger.addHandler(caplog.handler)
