@@ -149,7 +149,12 @@ class TPUClusterResolver:
             list or comma-separated string of ``host:port`` worker addresses,
             the first being the coordinator. When ``None``, the environment
             variables ``KERAS_TPU_WORKERS``, ``COLAB_TPU_ADDR`` and
-            ``TPU_NAME`` are read, in that order.
+            ``TPU_NAME`` are read, in that order; with none of them set it
+            is the local simulated TPU. (TensorFlow raises
+            ``ValueError("Please provide a TPU Name to connect to.")`` there
+            when not on Google Cloud. The simulated TPU is always present, so
+            the usual ``try: TPUClusterResolver() except ValueError:``
+            detection finds it, as it finds the TPU of a Colab TPU runtime.)
         zone, project: kept as attributes; no effect (there is no Cloud TPU
             API to ask).
         job_name: the job name in :meth:`cluster_spec` (``"worker"``), also
@@ -270,6 +275,15 @@ class TPUClusterResolver:
 
     def get_job_name(self):
         return self.job_name
+
+    def get_coordination_service_leader(self):
+        """Where TensorFlow's coordination service runs: the first task of the job (``"/job:worker/task:0"``).
+
+        Example:
+            >>> TPUClusterResolver().get_coordination_service_leader()
+            '/job:worker/task:0'
+        """
+        return f"/job:{self.job_name}/task:0"
 
     def cluster_spec(self):
         """All workers, as ``ClusterSpec({"worker": [...]})``.

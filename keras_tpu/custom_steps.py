@@ -199,9 +199,10 @@ class _CustomProgram:
             executable = jitted.lower(state, data).compile()
             self._executables[key] = executable
             rows = _rows(data)
+            whose = "the model's own" if f"{self.mode}_step" in custom_step_methods(self.custom.model) else "Keras'"
             logger.info("Compiled the TPU %s program (global batch %d, %d step(s) per call) in %.1f s "
-                        "(the model's own %s_step on %d core(s)%s).", self.mode, rows, 1,
-                        time.perf_counter() - started, self.mode, cores,
+                        "(%s %s_step on %d core(s)%s).", self.mode, rows, 1,
+                        time.perf_counter() - started, whose, self.mode, cores,
                         "" if cores == self.layout.num_cores else f": {rows} rows do not split evenly over "
                         f"{self.layout.num_cores}")
         return executable

@@ -45,6 +45,7 @@ steps runs instead (compiled once per count): inactive steps cost nothing.
 """
 
 import collections
+import itertools
 import time
 
 import jax
@@ -136,13 +137,64 @@ class ReplicatedSteps:
         """``(state, iterator) -> (logs, state)``, for ``model.train_function``."""
         if "train_step" in self.custom:
             return CustomSteps(self).function("train", steps_per_execution)
-        return _Program("train", self, steps_per_execution, self._device_train).run_for_logs
+        return self._unless_losses_added_in_call(
+            "train", steps_per_execution, _Program("train", self, steps_per_execution, self._device_train).run_for_logs)
 
     def test_function(self, steps_per_execution=1):
         """``(state, iterator) -> (logs, state)``, for ``model.test_function``."""
         if "test_step" in self.custom:
             return CustomSteps(self).function("test", steps_per_execution)
-        return _Program("test", self, steps_per_execution, self._device_test).run_for_logs
+        return self._unless_losses_added_in_call(
+            "test", steps_per_execution, _Program("test", self, steps_per_execution, self._device_test).run_for_logs)
+
+    def _unless_losses_added_in_call(self, mode, steps_per_execution, padded_function):
+        """``padded_function``, unless the model adds losses in ``call`` (``add_loss``, activity regularisers).
+
+        Such a loss is computed by the user's layer from every row it is given,
+        so no mask can keep padding rows out of it. Those models run Keras' own
+        step on the cores without padding instead (:mod:`keras_tpu.custom_steps`:
+        a batch that does not split evenly over the cores runs on the most cores
+        that divide it), which is exact for losses averaged over the rows, as
+        Keras' activity regularisers are. Decided on the first batch, whose shapes
+        the check traces (no compute).
+        """
+        chosen = []
+
+        def function(state, iterator):
+            if not chosen:
+                try:
+                    first = next(iterator)
+                except StopIteration:
+                    raise StopIteration from None
+                iterator = itertools.chain([first], iterator)
+                if self._adds_losses_in_call(state, first):
+                    logger.info("%s adds losses in call() (add_loss or an activity regularizer): its %s steps run "
+                                "without padding rows, a partial batch on the cores that divide it.",
+                                self.model.name, mode)
+                    chosen.append(CustomSteps(self).function(mode, steps_per_execution))
+                else:
+                    chosen.append(padded_function)
+            return chosen[0](state, iterator)
+
+        return function
+
+    def _adds_losses_in_call(self, state, batch):
+        """Whether a forward pass on ``batch`` adds losses (traced abstractly; weight regularisers excluded)."""
+        model = self.model
+        x = keras.utils.unpack_x_y_sample_weight(batch)[0]
+        abstract = lambda tree_: jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), tree_)
+        added = []
+
+        def forward(trainable, non_trainable, x):
+            # Keras' JAX trainer takes the values out of the variables during fit: map them to the state's.
+            mapping = list(zip(model.trainable_variables, trainable)) + list(zip(model.non_trainable_variables,
+                                                                                 non_trainable))
+            with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+                model(x, training=True)
+            added.append(len(scope.losses))
+
+        jax.eval_shape(forward, abstract(list(state[0])), abstract(list(state[1])), abstract(x))
+        return added[0] > 0
 
     def predict_function(self, steps_per_execution=1):
         """``(state, iterator) -> (outputs, state)``, for ``model.predict_function``."""

@@ -228,6 +228,9 @@ class TPUExtended:
     #: As TensorFlow's attribute: the distributed datasets here never give a replica an empty or partial
     #: step (a dataset that ends inside a step raises instead), so there is nothing optional to get.
     experimental_enable_get_next_as_optional = False
+    #: As TensorFlow's attribute: every program here has fixed shapes (a partial batch raises), so there
+    #: are no dynamic batch sizes to enable.
+    experimental_enable_dynamic_batch_size = False
 
     def __init__(self, strategy):
         self._strategy = strategy
@@ -313,6 +316,45 @@ class TPUExtended:
     def value_container(self, value):
         """The container of ``value``: the value itself (variables are not split into per-replica copies)."""
         return value
+
+    def read_var(self, var):
+        """The value of variable ``var`` (a Keras variable of this strategy), as TensorFlow's ``read_var``.
+
+        Example:
+            >>> float(TPUStrategy().extended.read_var(jnp.float32(2.0)))
+            2.0
+        """
+        return var.value if hasattr(var, "value") else var
+
+    def non_slot_devices(self, var_list):
+        """Where non-slot variables live: the host of the first core (``/job:worker/replica:0/task:0/device:CPU:0``)."""
+        return f"/job:{self._strategy.cluster_resolver.job_name}/replica:0/task:0/device:CPU:0"
+
+    def update_non_slot(self, colocate_with, fn, args=(), kwargs=None, group=True):
+        """Run ``fn(*args, **kwargs)`` once on the host (``colocate_with`` has no effect: one host memory)."""
+        result = fn(*args, **(kwargs or {}))
+        return result if group else (result,)
+
+    def broadcast_to(self, tensor, destinations):
+        """``tensor`` itself: every core reads the same host value (``destinations`` has no effect)."""
+        return tensor
+
+    def call_for_each_replica(self, fn, args=(), kwargs=None):
+        """TensorFlow 1's name of :meth:`TPUStrategy.run` on the extended object."""
+        return self._strategy.run(fn, args=args, kwargs=kwargs)
+
+    def experimental_run_steps_on_iterator(self, fn, iterator, iterations=1, initial_loop_values=None):
+        """Refused: TensorFlow 1's graph-mode step loop (``fn(ctx, inputs)`` with a ``MultiStepContext``) has no
+        counterpart without graphs."""
+        raise NotImplementedError(
+            "extended.experimental_run_steps_on_iterator (TensorFlow 1's graph-mode loop) is not supported: call "
+            "strategy.run(step_fn, args=(batch,)) for each batch of strategy.experimental_distribute_dataset(...) "
+            "instead.")
+
+    def experimental_make_numpy_dataset(self, numpy_input, session=None):
+        """Refused: there is no ``tf.data``; :meth:`TPUStrategy.experimental_distribute_dataset` takes batches of
+        NumPy arrays directly."""
+        self._strategy.experimental_make_numpy_dataset(numpy_input, session)
 
     def variable_created_in_scope(self, v):
         """Whether variable ``v`` belongs to a model created under this strategy's scope."""
@@ -417,6 +459,11 @@ class TPUStrategy:
     def num_replicas_in_sync(self):
         """The number of replicas (cores) over which gradients are averaged: 8 on a v2-8."""
         return self.layout.num_cores
+
+    @property
+    def steps_per_run(self):
+        """TensorFlow 1's ``TPUStrategy.steps_per_run``: the strategy's ``steps_per_execution``."""
+        return self.placement.steps_per_execution
 
     # -- the scope ---------------------------------------------------------------------
 
@@ -678,6 +725,47 @@ class TPUStrategy:
     def experimental_run_v2(self, fn, args=(), kwargs=None, options=None):
         """TensorFlow 1.15-2.1's name of :meth:`run`."""
         return self.run(fn, args=args, kwargs=kwargs, options=options)
+
+    # -- TensorFlow 1.15's StrategyV1 methods (tf.compat.v1.distribute.experimental.TPUStrategy) ------------
+
+    def unwrap(self, value):
+        """TensorFlow 1's name of :meth:`experimental_local_results`."""
+        return self.experimental_local_results(value)
+
+    def make_dataset_iterator(self, dataset):
+        """TensorFlow 1's iterator over a distributed dataset: ``iter(experimental_distribute_dataset(dataset))``
+        (use ``next()`` on it, or pass it to :meth:`experimental_run`).
+
+        Example:
+            >>> iterator = TPUStrategy().make_dataset_iterator([np.ones((16, 3))])
+            >>> next(iterator).num_replicas
+            8
+        """
+        return iter(self.experimental_distribute_dataset(dataset))
+
+    def experimental_run(self, fn, input_iterator=None):
+        """TensorFlow 1's ``experimental_run``: :meth:`run` ``fn`` on the next per-replica batch of
+        ``input_iterator`` (an iterator from :meth:`make_dataset_iterator`), or with no arguments."""
+        args = () if input_iterator is None else (next(input_iterator),)
+        return self.run(fn, args=args)
+
+    def make_input_fn_iterator(self, input_fn, replication_mode=None):
+        """Refused: TensorFlow 1's ``input_fn`` returns a ``tf.data`` pipeline per worker. Use
+        :meth:`distribute_datasets_from_function`, whose ``dataset_fn`` gets the same :class:`InputContext`."""
+        raise NotImplementedError(
+            "make_input_fn_iterator (TensorFlow 1, tf.data input pipelines) is not supported: use "
+            "iter(strategy.distribute_datasets_from_function(dataset_fn)), where dataset_fn(input_context) returns "
+            "per-replica batches.")
+
+    def experimental_make_numpy_dataset(self, numpy_input, session=None):
+        """Refused: there is no ``tf.data``; :meth:`experimental_distribute_dataset` takes NumPy batches."""
+        raise NotImplementedError(
+            "experimental_make_numpy_dataset (a tf.data dataset) is not supported: pass a list or generator of "
+            "NumPy global batches to strategy.experimental_distribute_dataset(...) instead.")
+
+    def update_config_proto(self, config_proto):
+        """``config_proto`` unchanged: there is no TensorFlow session to configure (no effect)."""
+        return config_proto
 
     # -- logical devices (model parallelism: one logical device per replica here) ----------------
 
