@@ -19,6 +19,10 @@
 * ``inference_kwargs`` and ``all_layers``: whether a model's ``call`` takes
   ``training`` (``Layer._call_has_training_arg``) and every nested layer
   (``Layer._flatten_layers``; ``Model.layers`` lists only the top level).
+* ``track_progress_line``: Keras' ``Progbar`` writes through
+  ``keras.src.utils.io_utils.print_msg`` and leaves its line open between
+  updates; keras_tpu's log records must start on a line of their own, and
+  Keras has no public way to know whether the bar's line is open.
 * ``watch_models``: ``TPUStrategy.scope()`` must know which models are
   created and compiled under it. Keras has no public hook for model
   creation; every model (functional, Sequential, subclassed) runs
@@ -26,6 +30,7 @@
 """
 
 import contextlib
+import functools
 
 import keras
 from keras import StatelessScope
@@ -140,3 +145,29 @@ def all_layers(model):
     """Every layer inside ``model``, nested ones included."""
     return list(model._flatten_layers(include_self=False))
 
+
+
+_tracked = []
+
+
+def track_progress_line():
+    """Keep :mod:`keras_tpu._logging` told whether Keras' progress bar left its line open (installed once).
+
+    Wraps ``io_utils.print_msg``, which Keras' ``Progbar`` looks up on its module at every write;
+    what is printed is unchanged.
+    """
+    from keras.src.utils import io_utils
+
+    from keras_tpu._logging import note_progress_output
+
+    if _tracked:
+        return
+    original = io_utils.print_msg
+
+    @functools.wraps(original)
+    def print_msg(message, line_break=True):
+        original(message, line_break)
+        note_progress_output(f"{message}\n" if line_break else str(message))
+
+    io_utils.print_msg = print_msg
+    _tracked.append(original)

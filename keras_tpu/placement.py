@@ -19,6 +19,7 @@ data-parallel layouts: one object the trainer asks for placement.)
 import dataclasses
 import types
 
+from keras_tpu import _keras_private
 from keras_tpu.cluster import TPUClusterResolver, initialize_tpu_system
 from keras_tpu.cores import CoreLayout
 from keras_tpu.mxu.numerics import canonical_precision
@@ -118,6 +119,7 @@ class Placement:
             >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])   # doctest: +SKIP
             >>> Placement().install(model)                                            # doctest: +SKIP
         """
+        _keras_private.track_progress_line()  # our log lines must not land on the progress bar's line
         model.__dict__[_INSTALLED] = Installation(self, user_model or model)
         for name, method in _model_methods(self).items():
             model.__dict__[name] = types.MethodType(method, model)

@@ -70,3 +70,32 @@ def test_models_without_losses_in_call_keep_the_padded_program(data, caplog):
     # A weight regularizer does not depend on the rows: one padded program serves every batch.
     assert "adds losses in call()" not in caplog.text
     assert caplog.text.count("Compiled the TPU train program (global batch 32,") == 1
+
+
+def test_log_lines_start_on_a_line_of_their_own_beside_the_progress_bar(tmp_path):
+    """Compile messages (the validation program compiles while the epoch's bar is open) and the weight copy of
+    each ModelCheckpoint save are not printed onto the progress bar's line (stdout and stderr merged, as in a
+    terminal or a notebook cell)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import keras_tpu, keras, numpy as np
+x = np.random.default_rng(0).standard_normal((64, 4)).astype("float32"); y = x[:, :1]
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+model.compile("sgd", "mse")
+tpu = keras_tpu.keras_to_tpu_model(model)
+tpu.fit(x, y, batch_size=16, epochs=2, validation_data=(x, y), verbose=1,
+        callbacks=[keras.callbacks.ModelCheckpoint({str(tmp_path / "m.weights.h5")!r}, save_weights_only=True)])
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("XLA_FLAGS",)}
+    env.update(KERAS_BACKEND="jax", PYTHONUNBUFFERED="1")
+    result = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:]
+    text = result.stdout
+    assert "Compiled the TPU test program" in text and "Copying TPU weights to the CPU" in text
+    starts = [i for i in range(len(text)) if text.startswith("INFO:keras_tpu:", i)]
+    assert starts
+    for i in starts:
+        assert i == 0 or text[i - 1] == "\n", repr(text[max(0, i - 80):i + 40])
