@@ -72,7 +72,7 @@ def update_metrics(model, metrics_values, loss, real_rows, x, y, y_pred, row_mas
     with StatelessScope(state_mapping=mapping) as scope:
         model._loss_tracker.update_state(loss, sample_weight=real_rows)
         if per_output_loss_trackers(model):
-            model._compile_loss(y, y_pred, loss_sample_weight)
+            _update_per_output_loss_trackers(model, mapping, y, y_pred, loss_sample_weight, real_rows)
         if overridden_methods(model, ("compute_metrics",)):
             model.compute_metrics(x, y, y_pred, sample_weight)
         elif model._compile_metrics is not None:
@@ -83,6 +83,20 @@ def update_metrics(model, metrics_values, loss, real_rows, x, y, y_pred, row_mas
         value = scope.get_current_value(variable)
         new_values.append(old if value is None else value)
     return logs, new_values
+
+
+def _update_per_output_loss_trackers(model, mapping, y, y_pred, loss_sample_weight, real_rows):
+    # CompileLoss updates each output's Mean tracker with the padded row count as its weight; its value
+    # (the real rows' mean, thanks to loss_sample_weight) must count for the real rows only. A Mean's
+    # state (total, count) is linear in that weight, so scaling the step's increment is exact.
+    model._compile_loss(y, y_pred, loss_sample_weight)
+    padded_rows = keras.tree.flatten(y_pred)[0].shape[0]
+    old_values = {id(variable): value for variable, value in mapping}
+    for tracker in model._compile_loss.metrics:
+        for variable in tracker.variables:
+            old = old_values[id(variable)]
+            share = keras.ops.cast(real_rows, variable.dtype) / padded_rows
+            variable.assign(old + (variable.value - old) * share)
 
 
 def _update_compiled_metrics(compiled, y, y_pred, row_mask, sample_weight):

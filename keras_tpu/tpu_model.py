@@ -22,6 +22,7 @@ copy them back to the CPU model.
 """
 
 import collections
+import collections.abc
 import itertools
 
 import keras
@@ -323,6 +324,14 @@ class KerasTPUModel(keras.Model):
 
     # -- TF 1.x Keras' generator methods, on Keras 3's fit/evaluate/predict ----------------
 
+    @staticmethod
+    def _as_tuples(generator):
+        """TF 1.x's generators may yield bare input batches or lists; Keras 3 takes tuples only."""
+        if not isinstance(generator, collections.abc.Iterator):
+            return generator  # a keras.utils.PyDataset, or anything else Keras 3 reads as it is
+        return (item if isinstance(item, tuple) else tuple(item) if isinstance(item, list) else (item,)
+                for item in generator)
+
     def fit_generator(self, generator, steps_per_epoch=None, epochs=1, verbose=1, callbacks=None,
                       validation_data=None, validation_steps=None, validation_freq=1, class_weight=None,
                       max_queue_size=10, workers=1, use_multiprocessing=False, shuffle=True, initial_epoch=0):
@@ -334,20 +343,24 @@ class KerasTPUModel(keras.Model):
         Example:
             >>> history = tpu_model.fit_generator(batches(), steps_per_epoch=10, epochs=2)   # doctest: +SKIP
         """
-        return self.fit(generator, steps_per_epoch=steps_per_epoch, epochs=epochs, verbose=verbose,
-                        callbacks=callbacks, validation_data=validation_data, validation_steps=validation_steps,
-                        validation_freq=validation_freq, class_weight=class_weight, shuffle=shuffle,
-                        initial_epoch=initial_epoch)
+        # As in TF 1.x, shuffle applies to a PyDataset (Sequence) only: a generator's order is its own.
+        shuffle = shuffle and not isinstance(generator, collections.abc.Iterator)
+        return self.fit(self._as_tuples(generator), steps_per_epoch=steps_per_epoch, epochs=epochs,
+                        verbose=verbose, callbacks=callbacks, validation_data=validation_data,
+                        validation_steps=validation_steps, validation_freq=validation_freq,
+                        class_weight=class_weight, shuffle=shuffle, initial_epoch=initial_epoch)
 
     def evaluate_generator(self, generator, steps=None, callbacks=None, max_queue_size=10, workers=1,
                            use_multiprocessing=False, verbose=0):
-        """TF 1.x's ``evaluate_generator``: ``evaluate`` on a generator of ``(x, y)`` batches."""
-        return self.evaluate(generator, steps=steps, callbacks=callbacks, verbose=verbose)
+        """TF 1.x's ``evaluate_generator``: ``evaluate`` on a generator of ``(x, y)`` batches (``max_queue_size``,
+        ``workers`` and ``use_multiprocessing`` have no effect)."""
+        return self.evaluate(self._as_tuples(generator), steps=steps, callbacks=callbacks, verbose=verbose)
 
     def predict_generator(self, generator, steps=None, callbacks=None, max_queue_size=10, workers=1,
                           use_multiprocessing=False, verbose=0):
-        """TF 1.x's ``predict_generator``: ``predict`` on a generator of input batches."""
-        return self.predict(generator, steps=steps, callbacks=callbacks, verbose=verbose)
+        """TF 1.x's ``predict_generator``: ``predict`` on a generator of input batches (bare arrays or ``(x,)``
+        tuples, as in TF 1.x; ``max_queue_size``, ``workers`` and ``use_multiprocessing`` have no effect)."""
+        return self.predict(self._as_tuples(generator), steps=steps, callbacks=callbacks, verbose=verbose)
 
     # -- weights --------------------------------------------------------------------------
 

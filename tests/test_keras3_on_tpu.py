@@ -99,3 +99,201 @@ tpu.fit(x, y, batch_size=16, epochs=2, validation_data=(x, y), verbose=1,
     assert starts
     for i in starts:
         assert i == 0 or text[i - 1] == "\n", repr(text[max(0, i - 80):i + 40])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The README's "Keras 3 on the TPU" table, row by row (custom steps: tests/test_custom_steps.py).
+# ---------------------------------------------------------------------------------------------------------
+
+
+def two_by_two(scope=None):
+    """keras.io's functional-API pattern: two named inputs, two named outputs, per-output losses and weights."""
+    keras.utils.set_random_seed(0)
+    with scope or contextlib.nullcontext():
+        a, b = keras.Input((5,), name="a"), keras.Input((3,), name="b")
+        h = keras.layers.Dense(8, activation="relu")(keras.layers.Concatenate()([a, b]))
+        outputs = {"reg": keras.layers.Dense(2, name="reg")(h), "cls": keras.layers.Dense(2, name="cls")(h)}
+        model = keras.Model({"a": a, "b": b}, outputs)
+        model.compile("adam", {"reg": "mse", "cls": keras.losses.SparseCategoricalCrossentropy(from_logits=True)},
+                      loss_weights={"reg": 0.5, "cls": 2.0}, metrics={"cls": ["accuracy"]})
+    return model
+
+
+def test_multiple_inputs_and_outputs_with_loss_weights_are_exact_including_per_output_logs():
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((100, 5)).astype("float32"), rng.standard_normal((100, 3)).astype("float32")
+    x, y = {"a": a, "b": b}, {"reg": a[:, :2], "cls": (b[:, 0] > 0).astype("int32")}
+    tpu, cpu = two_by_two(keras_tpu.TPUStrategy(precision="highest").scope()), two_by_two()
+    got = tpu.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history  # last batch: 4 rows
+    want = cpu.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
+    assert set(got) == set(want) == {"loss", "reg_loss", "cls_loss", "cls_accuracy"}
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=2e-6, err_msg=key)
+
+
+class Residual(keras.Model):
+    """A subclassed model with a training-dependent call (dropout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.drop, self.out = keras.layers.Dense(16, activation="relu"), keras.layers.Dropout(0.5), \
+            keras.layers.Dense(1)
+
+    def call(self, x, training=False):
+        return self.out(self.drop(self.hidden(x), training=training) + self.hidden(x))
+
+
+def test_a_subclassed_model_trains_and_matches_the_cpu_in_inference():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 4)).astype("float32")
+    y = x[:, :1] * 2 - x[:, 1:2]
+    keras.utils.set_random_seed(0)
+    with keras_tpu.TPUStrategy(precision="highest").scope():
+        model = Residual()
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+    losses = model.fit(x, y, batch_size=64, epochs=8, verbose=0).history["loss"]
+    assert losses[-1] < 0.3 * losses[0]
+    cpu = Residual()
+    cpu(x[:1])
+    cpu.set_weights(model.get_weights())
+    np.testing.assert_allclose(model.predict(x, batch_size=50, verbose=0), cpu.predict(x, verbose=0), atol=1e-5)
+
+
+def tagger_reviews(scope=None):
+    """A variable-length input with masking: Embedding(mask_zero=True) -> Bidirectional(LSTM)."""
+    keras.utils.set_random_seed(0)
+    with scope or contextlib.nullcontext():
+        tokens = keras.Input((None,), dtype="int32", name="tokens")
+        h = keras.layers.Embedding(50, 8, mask_zero=True)(tokens)
+        h = keras.layers.Bidirectional(keras.layers.LSTM(8))(h)
+        model = keras.Model(tokens, keras.layers.Dense(2)(h))
+        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model
+
+
+def test_variable_length_inputs_with_mask_zero_compile_once_per_length(caplog):
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 50, (100, 12)).astype("int32")
+    x[:, 8:] = 0  # padded reviews: the mask must hide these positions
+    y = (x[:, 0] > 25).astype("int32")
+    tpu, cpu = tagger_reviews(keras_tpu.TPUStrategy(precision="highest").scope()), tagger_reviews()
+    with caplog.at_level(logging.INFO, logger="keras_tpu"):
+        got = tpu.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
+        tpu.fit(x[:, :6], y, batch_size=32, epochs=1, shuffle=False, verbose=0)  # another length
+        tpu.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)          # the first again: cached
+    want = cpu.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=2e-5, err_msg=key)
+    assert caplog.text.count("Compiled the TPU train program") == 2
+
+
+def test_class_and_sample_weights_are_exact():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((100, 4)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+
+    def build(scope=None):
+        keras.utils.set_random_seed(0)
+        with scope or contextlib.nullcontext():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+            model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          weighted_metrics=["accuracy"])
+        return model
+
+    tpu, cpu = build(keras_tpu.TPUStrategy(precision="highest").scope()), build()
+    for weights in ({"class_weight": {0: 1.0, 1: 3.0}}, {"sample_weight": rng.random(100).astype("float32")}):
+        got = tpu.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, **weights).history
+        want = cpu.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, **weights).history
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], rtol=2e-6, err_msg=f"{key} {list(weights)}")
+
+
+class StopAtEpoch(keras.callbacks.Callback):
+    """Interrupts training (as a crash would) at the start of one epoch."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise RuntimeError("interrupted")
+
+
+def test_model_checkpoint_and_backup_and_restore(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 4)).astype("float32")
+    y = x[:, :1] - x[:, 1:2]
+
+    def build():
+        keras.utils.set_random_seed(0)
+        with keras_tpu.TPUStrategy().scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile(keras.optimizers.Adam(0.05), "mse")
+        return model
+
+    def fit(model, *callbacks):
+        return model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=list(callbacks))
+
+    uninterrupted = build()
+    fit(uninterrupted, keras.callbacks.ModelCheckpoint(str(tmp_path / "best.keras")),
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "epoch{epoch}.weights.h5"), save_weights_only=True))
+    # Both checkpoint formats load into plain CPU models, with the TPU model's final weights.
+    plain = keras.saving.load_model(tmp_path / "best.keras")
+    for a, b in zip(plain.get_weights(), uninterrupted.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    weights_only = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    weights_only.load_weights(tmp_path / "epoch4.weights.h5")
+    np.testing.assert_array_equal(weights_only.get_weights()[0], uninterrupted.get_weights()[0])
+    # Interrupted after two epochs, then started again: resumes from the backup, ends with the same weights.
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fit(build(), backup, StopAtEpoch(2))
+    resumed = build()
+    history = fit(resumed, keras.callbacks.BackupAndRestore(str(tmp_path / "backup")))
+    assert len(history.history["loss"]) == 2  # epochs 3 and 4 only
+    for a, b in zip(resumed.get_weights(), uninterrupted.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_terminate_on_nan_stops_at_the_first_bad_batch():
+    x = np.ones((64, 4), "float32")
+    y = np.full((64, 1), 1e30, "float32")
+    with keras_tpu.TPUStrategy().scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(1e10), "mse")
+    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[keras.callbacks.TerminateOnNaN()])
+    assert len(history.history["loss"]) == 1 and not np.isfinite(history.history["loss"][0])
+    assert model.stop_training
+
+
+def test_the_mixed_bfloat16_policy_computes_in_bfloat16_on_the_mxu():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 4)).astype("float32")
+    y = x[:, :1]
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        keras.utils.set_random_seed(0)
+        with keras_tpu.TPUStrategy().scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"),
+                                      keras.layers.Dense(1, dtype="float32")])
+            model.compile(keras.optimizers.Adam(0.01), "mse")
+        losses = model.fit(x, y, batch_size=16, epochs=6, verbose=0).history["loss"]
+        hidden = keras.Model(model.inputs, model.layers[0].output)
+        activations = hidden.predict(x, verbose=0)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    assert losses[-1] < 0.5 * losses[0]
+    assert model.layers[0].kernel.dtype == "float32"  # float32 weights, bfloat16 compute
+    assert activations.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("option", [{"jit_compile": True}, {"jit_compile": False}, {"jit_compile": "auto"}])
+def test_jit_compile_is_accepted_and_the_tpu_program_always_compiled(option, caplog):
+    x = np.ones((32, 4), "float32")
+    with keras_tpu.TPUStrategy().scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse", **option)
+    with caplog.at_level(logging.INFO, logger="keras_tpu"):
+        model.fit(x, x[:, :1], batch_size=16, verbose=0)
+    assert "Compiled the TPU train program" in caplog.text
