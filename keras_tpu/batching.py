@@ -106,3 +106,21 @@ def unstack_outputs(outputs, stacked):
         leaf = np.asarray(leaf)
         return np.concatenate([leaf[:count, step] for step, count in enumerate(stacked.real_rows)])
     return tree.map_structure(unstack, outputs)
+
+
+def describe_input_shapes(x, rows=None):
+    """The shapes of a batch's inputs as a log line shows them (``rows`` replaces the row count).
+
+    Example:
+        >>> describe_input_shapes({"tokens": np.zeros((32, 12)), "ids": np.zeros((32,))})
+        'ids (32,), tokens (32, 12)'
+        >>> describe_input_shapes(np.zeros((100, 7)), rows=104)
+        '(104, 7)'
+    """
+    def shape(leaf):
+        dims = tuple(np.shape(leaf))
+        return str((rows,) + dims[1:] if rows is not None and dims else dims)
+
+    if isinstance(x, dict):
+        return ", ".join(f"{key} {describe_input_shapes(x[key], rows)}" for key in sorted(x))
+    return ", ".join(shape(leaf) for leaf in tree.flatten(x) if leaf is not None)

@@ -31,11 +31,13 @@ import time
 
 import jax
 import jax.numpy as jnp
+import keras
 from jax import lax
 from keras import tree
 
 from keras_tpu import _keras_private, pod, rewrite
 from keras_tpu._logging import logger
+from keras_tpu.batching import describe_input_shapes
 from keras_tpu.cores import CORE_AXIS
 
 STEP_METHODS = ("train_step", "test_step", "predict_step")
@@ -199,12 +201,14 @@ class _CustomProgram:
             executable = jitted.lower(state, data).compile()
             self._executables[key] = executable
             rows = _rows(data)
+            x = keras.utils.unpack_x_y_sample_weight(data)[0] if isinstance(data, tuple) else data
             whose = "the model's own" if f"{self.mode}_step" in custom_step_methods(self.custom.model) else "Keras'"
             logger.info("Compiled the TPU %s program (global batch %d, %d step(s) per call) in %.1f s "
-                        "(%s %s_step on %d core(s)%s).", self.mode, rows, 1,
+                        "(%s %s_step on %d core(s)%s); inputs %s.", self.mode, rows, 1,
                         time.perf_counter() - started, whose, self.mode, cores,
                         "" if cores == self.layout.num_cores else f": {rows} rows do not split evenly over "
-                        f"{self.layout.num_cores}")
+                        f"{self.layout.num_cores}", describe_input_shapes(x))
+            self.custom.builder.note_compiled_shape(self.mode, describe_input_shapes(x, rows=0))
         return executable
 
     def _one_step(self, state, data):

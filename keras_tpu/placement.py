@@ -124,6 +124,12 @@ class Placement:
         for name, method in _model_methods(self).items():
             model.__dict__[name] = types.MethodType(method, model)
 
+    def uninstall(self, model):
+        """Undo :meth:`install`: ``model`` gets Keras' own methods back (its compiled programs are dropped)."""
+        model.__dict__.pop(_INSTALLED, None)
+        for name in _model_methods(self):
+            model.__dict__.pop(name, None)
+
     def __repr__(self):
         return f"Placement({self.describe()})"
 

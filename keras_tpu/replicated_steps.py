@@ -56,7 +56,7 @@ from keras import tree
 
 from keras_tpu import _keras_private, pod, rewrite
 from keras_tpu._logging import logger
-from keras_tpu.batching import BatchStacker, unstack_outputs
+from keras_tpu.batching import BatchStacker, describe_input_shapes, unstack_outputs
 from keras_tpu.cores import REPLICATED, ROWS
 from keras_tpu.custom_steps import CustomSteps, custom_step_methods
 from keras_tpu.mxu.numerics import canonical_precision
@@ -130,6 +130,24 @@ class ReplicatedSteps:
         self.precision = canonical_precision(precision)
         self.rule = program_rule(self.precision, on_mxu)
         self.last_programs = {}
+        self._compiled_shapes = collections.defaultdict(set)
+        self._warned_shapes = set()
+
+    #: More input shapes than this per mode gets a warning: each shape is a program compiled anew.
+    MANY_SHAPES = 8
+
+    def note_compiled_shape(self, mode, shapes):
+        """Record that a ``mode`` program was compiled for inputs of ``shapes`` (rows aside); warn, once per mode,
+        when there are more than :attr:`MANY_SHAPES` of them."""
+        seen = self._compiled_shapes[mode]
+        seen.add(shapes)
+        if len(seen) > self.MANY_SHAPES and mode not in self._warned_shapes:
+            self._warned_shapes.add(mode)
+            logger.warning(
+                "%s has compiled %d TPU %s programs for inputs of different shapes (the latest: %s). A TPU "
+                "compiles a new XLA program for every new shape, and so does this simulator: pad or bucket "
+                "variable-length data to a few lengths (e.g. pad each batch to a multiple of 32 time steps).",
+                self.model.name, len(seen), mode, shapes)
 
     # -- functions for Keras' loops -------------------------------------------------
 
@@ -404,6 +422,7 @@ class _Program:
         if steps_per_execution < 1:
             raise ValueError(f"steps_per_execution must be a positive integer; got {steps_per_execution}.")
         self.mode = mode
+        self.builder = builder
         self.layout = builder.layout
         self.stacker = BatchStacker(self.layout.num_cores, steps_per_execution)
         routed = rewrite.transform(device_fn, builder.rule)
@@ -437,8 +456,12 @@ class _Program:
             self._executables[key] = executable
             real = int(stacked.real_rows.max())
             padding = "" if real == self.stacker.global_batch else f", {real} real rows"
-            logger.info("Compiled the TPU %s program (global batch %d%s, %d step(s) per call) in %.1f s.",
-                        self.mode, self.stacker.global_batch, padding, stacked.steps, time.perf_counter() - started)
+            x = keras.utils.unpack_x_y_sample_weight(stacked.data)[0]
+            shapes = tree.map_structure(lambda a: a[:, 0], x, none_is_leaf=False)  # one step's rows
+            logger.info("Compiled the TPU %s program (global batch %d%s, %d step(s) per call) in %.1f s; inputs %s.",
+                        self.mode, self.stacker.global_batch, padding, stacked.steps, time.perf_counter() - started,
+                        describe_input_shapes(shapes))
+            self.builder.note_compiled_shape(self.mode, describe_input_shapes(shapes, rows=0))
         return executable
 
     def _bound_in_flight(self, result):

@@ -88,23 +88,6 @@ class TPUDistributionStrategy:
                 f"precision={self.precision.name.lower()!r})")
 
 
-def _check_fixed_shapes(model):
-    tensors = []
-    for kind in ("inputs", "outputs"):
-        try:
-            tensors += [(kind, t) for t in (getattr(model, kind, None) or [])]
-        except (AttributeError, ValueError):
-            pass
-    for kind, tensor in tensors:
-        shape = tuple(tensor.shape)
-        if any(dim is None for dim in shape[1:]):
-            raise ValueError(
-                f"The TPU runs programs of fixed shapes, but the model's {kind[:-1]} {tensor.name!r} has shape "
-                f"{shape}: only the batch dimension may be None. Give keras.Input(shape=...) fixed sizes "
-                f"(pad variable-length data to a fixed length)."
-            )
-
-
 class KerasTPUModel(keras.Model):
     """A Keras model running on the simulated TPU; create it with :func:`keras_to_tpu_model`."""
 
@@ -112,6 +95,11 @@ class KerasTPUModel(keras.Model):
         super().__init__(name=cpu_model.name)
         self._cpu_model = cpu_model
         self._strategy = strategy
+        # A model with its own steps, compute_loss or compute_metrics runs them itself, on the TPU's programs
+        # (see _keras_method); others run Keras' steps on this wrapper, which shares the CPU model's variables.
+        self._own_methods = custom_step_methods(cpu_model) + _keras_private.overridden_methods(
+            cpu_model, ("compute_loss", "compute_metrics"))
+        self._tpu_functions = {}
         strategy.placement.install(self, user_model=cpu_model)
         if cpu_model.built:
             self.built = True
@@ -187,6 +175,35 @@ class KerasTPUModel(keras.Model):
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, loss_weights=loss_weights,
                         weighted_metrics=weighted_metrics, **kwargs)
 
+    def _keras_method(self, name):
+        """Keras' ``fit``/``evaluate``/``predict``/``*_on_batch`` for this TPU model.
+
+        Usually Keras' own method of this wrapper. For a CPU model with its own
+        ``train_step``/``test_step``/``predict_step``, ``compute_loss`` or
+        ``compute_metrics``, those methods index the model's *own* state (its
+        metrics, optimizers, variables); so the model itself runs the call, with
+        the TPU's programs installed for its duration (its own functions, if it
+        has any, are put back afterwards: the CPU model stays a CPU model).
+        """
+        if not self._own_methods:
+            return getattr(super(), name)
+
+        def on_the_tpu(*args, **kwargs):
+            cpu_model, names = self._cpu_model, ("train_function", "test_function", "predict_function")
+            own_functions = {key: getattr(cpu_model, key, None) for key in names}
+            self._strategy.placement.install(cpu_model)
+            for key in names:
+                setattr(cpu_model, key, self._tpu_functions.get(key))  # compiled programs are kept between calls
+            try:
+                return getattr(cpu_model, name)(*args, **kwargs)
+            finally:
+                self._tpu_functions = {key: getattr(cpu_model, key, None) for key in names}
+                self._strategy.placement.uninstall(cpu_model)
+                for key, function in own_functions.items():
+                    setattr(cpu_model, key, function)
+
+        return on_the_tpu
+
     def _input_fn_batches(self, input_fn, what):
         """TF 1.x's ``fit(x=function)``: the function returns a dataset of **per-core** batches; each step
         takes one per core (the global batch), and the dataset is made again when it ends."""
@@ -244,7 +261,7 @@ class KerasTPUModel(keras.Model):
         if callable(validation_data) and not hasattr(validation_data, "__iter__"):
             validation_data, _ = self._resolve_data(validation_data, None, validation_steps, "validation_steps",
                                                     "validation_data")
-        return super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
+        return self._keras_method("fit")(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
                            validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
                            class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
                            steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
@@ -257,36 +274,42 @@ class KerasTPUModel(keras.Model):
         returning per-core batches, with ``steps``; ``max_queue_size``, ``workers`` and
         ``use_multiprocessing`` have no effect)."""
         x, y = self._resolve_data(x, y, steps, "steps", "x")
-        return super().evaluate(x, y, batch_size=batch_size, verbose=verbose, sample_weight=sample_weight,
+        return self._keras_method("evaluate")(x, y, batch_size=batch_size, verbose=verbose, sample_weight=sample_weight,
                                 steps=steps, callbacks=callbacks, return_dict=return_dict, **kwargs)
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, max_queue_size=10, workers=1,
                 use_multiprocessing=False, callbacks=None):
         """Keras 3's ``predict`` on the TPU's programs, one row per input, with TF 1.x's arguments
         (``max_queue_size``, ``workers`` and ``use_multiprocessing`` have no effect)."""
-        return super().predict(x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
+        return self._keras_method("predict")(x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
 
     def _keep_metrics(self, reset_metrics, method, *args, **kwargs):
         """Run Keras 3's ``*_on_batch`` (which resets the metrics first) keeping them if ``reset_metrics`` is
         False, as TF 1.x's ``reset_metrics=False`` does."""
         if reset_metrics:
             return method(*args, **kwargs)
-        self.__dict__["reset_metrics"] = lambda: None  # shadows the class method for this call only
+        runner = self._cpu_model if self._own_methods else self  # the model whose metrics the call resets
+        runner.__dict__["reset_metrics"] = lambda: None  # shadows the class method for this call only
         try:
             return method(*args, **kwargs)
         finally:
-            del self.__dict__["reset_metrics"]
+            del runner.__dict__["reset_metrics"]
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, reset_metrics=True,
                        return_dict=False):
         """One training step on the TPU. ``reset_metrics=False`` accumulates the metrics over calls."""
-        return self._keep_metrics(reset_metrics, super().train_on_batch, x, y, sample_weight=sample_weight,
+        return self._keep_metrics(reset_metrics, self._keras_method("train_on_batch"), x, y,
+                                  sample_weight=sample_weight,
                                   class_weight=class_weight, return_dict=return_dict)
 
     def test_on_batch(self, x, y=None, sample_weight=None, reset_metrics=True, return_dict=False):
         """One evaluation step on the TPU. ``reset_metrics=False`` accumulates the metrics over calls."""
-        return self._keep_metrics(reset_metrics, super().test_on_batch, x, y, sample_weight=sample_weight,
+        return self._keep_metrics(reset_metrics, self._keras_method("test_on_batch"), x, y, sample_weight=sample_weight,
                                   return_dict=return_dict)
+
+    def predict_on_batch(self, x):
+        """Predictions for one batch, on the TPU."""
+        return self._keras_method("predict_on_batch")(x)
 
     # -- TF 1.x's model properties -----------------------------------------------------------
 
@@ -458,8 +481,10 @@ def keras_to_tpu_model(model, strategy=None):
     """Make a TPU model from a Keras model, keeping its layers, weights and compile settings.
 
     Args:
-        model: a ``keras.Model`` (Sequential, functional or subclassed) whose
-            inputs have fixed shapes apart from the batch size.
+        model: a ``keras.Model`` (Sequential, functional or subclassed; with
+            its own steps, ``compute_loss`` or ``compute_metrics`` too), compiled.
+            Inputs of variable length (``keras.Input(shape=(None,))``) compile one
+            program per shape.
         strategy: a :class:`TPUDistributionStrategy` (default: all cores of
             the local simulated v2-8).
 
@@ -475,20 +500,6 @@ def keras_to_tpu_model(model, strategy=None):
                         f"got {type(model).__module__}.{type(model).__name__}.")
     if isinstance(model, KerasTPUModel) or installed_on(model) is not None:
         raise ValueError("This model already runs on the TPU.")
-    custom = custom_step_methods(model)
-    if custom:
-        raise ValueError(
-            f"{type(model).__name__} replaces Keras' {', '.join(custom)}, which the TPU model made by "
-            f"keras_to_tpu_model would not call (it wraps the CPU model and runs Keras' steps). Build the model "
-            f"under keras_tpu.TPUStrategy().scope() instead: it then runs its own steps on the TPU cores.")
-    own = _keras_private.overridden_methods(model, ("compute_loss", "compute_metrics"))
-    if own:
-        raise ValueError(
-            f"{type(model).__name__} defines its own {', '.join(own)}, which the TPU model made by "
-            f"keras_to_tpu_model would not call (it runs the compiled loss and metrics). Build the model under "
-            f"keras_tpu.TPUStrategy().scope() instead: the model then runs on the TPU with its own methods."
-        )
-    _check_fixed_shapes(model)
     if strategy is None:
         strategy = TPUDistributionStrategy()
     if not isinstance(strategy, TPUDistributionStrategy):

@@ -16,6 +16,7 @@ from keras import ops
 
 import keras_tpu
 from keras_tpu.custom_steps import cores_for_rows
+from keras_tpu.placement import installed_on
 from tests.tpu_helpers import compiled_programs
 
 
@@ -318,3 +319,47 @@ def test_knowledge_distillation_with_a_custom_compute_loss_and_a_partial_batch()
         np.testing.assert_allclose(got[key], want[key], rtol=2e-5)
     for a, b in zip(model.student.get_weights(), reference.student.get_weights()):
         np.testing.assert_allclose(a, b, atol=2e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The same models converted with keras_to_tpu_model (TF 1.x's way): the CPU model's own methods run on the TPU.
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_keras_to_tpu_model_runs_a_gans_own_train_step_like_the_cpu(caplog):
+    rng = np.random.default_rng(0)
+    real = (rng.standard_normal((128, 8)) * 0.3 + 1.0).astype("float32")
+    noise = rng.standard_normal((128, 4)).astype("float32")
+    cpu_model, reference = gan(), gan()
+    tpu = keras_tpu.keras_to_tpu_model(cpu_model, keras_tpu.TPUDistributionStrategy(precision="highest"))
+    got = tpu.fit(noise, real, epochs=3, batch_size=64, shuffle=False, verbose=0).history
+    want = reference.fit(noise, real, epochs=3, batch_size=64, shuffle=False, verbose=0).history
+    for key in ("d_loss", "g_loss"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-4)
+    for a, b in zip(tpu.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert tpu.predict(noise[:16], verbose=0).shape == (16, 8)
+    # The CPU model stays a CPU model: its own fit runs Keras' loop on the CPU, from the trained weights.
+    assert installed_on(cpu_model) is None
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="keras_tpu"):
+        cpu_model.fit(noise, real, epochs=1, batch_size=64, shuffle=False, verbose=0)
+    assert "Compiled the TPU" not in caplog.text
+
+
+@pytest.mark.slow
+def test_keras_to_tpu_model_runs_a_custom_compute_loss_on_partial_batches():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((100, 6)).astype("float32")
+    y = x[:, :3].argmax(axis=1)
+    model, reference = distiller(), distiller()
+    tpu = keras_tpu.keras_to_tpu_model(model, keras_tpu.TPUDistributionStrategy(precision="highest"))
+    got = tpu.fit(x, y, epochs=2, batch_size=32, shuffle=False, verbose=0).history
+    want = reference.fit(x, y, epochs=2, batch_size=32, shuffle=False, verbose=0).history
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=2e-5)
+    for a, b in zip(model.student.get_weights(), reference.student.get_weights()):
+        np.testing.assert_allclose(a, b, atol=2e-6)
+    np.testing.assert_allclose(tpu.evaluate(x, y, batch_size=32, verbose=0),
+                               reference.evaluate(x, y, batch_size=32, verbose=0), rtol=2e-5)

@@ -17,29 +17,36 @@ def test_refuses_what_is_not_a_keras_model():
         keras_tpu.keras_to_tpu_model(keras.layers.Dense(3))
 
 
-def test_refuses_unknown_non_batch_dimensions():
-    inputs = keras.Input((None, 4))
-    model = keras.Model(inputs, keras.layers.GlobalAveragePooling1D()(inputs))
-    with pytest.raises(ValueError, match=r"\(None, None, 4\).*only the batch dimension"):
-        keras_tpu.keras_to_tpu_model(model)
+def test_variable_length_inputs_compile_one_program_per_shape_and_warn_when_there_are_many(caplog):
+    tokens = keras.Input((None,), dtype="int32", name="tokens")
+    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(20, 4)(tokens))
+    model = keras.Model(tokens, keras.layers.Dense(1)(pooled))
+    model.compile("sgd", "mse")
+    tpu = keras_tpu.keras_to_tpu_model(model)
+    rng = np.random.default_rng(0)
+    with caplog.at_level(logging.INFO, logger="keras_tpu"):
+        for length in (5, 7, 5):
+            tpu.fit(rng.integers(0, 20, (16, length)), np.ones((16, 1)), batch_size=16, verbose=0)
+    assert [m for m, *_ in compiled_programs(caplog)] == ["train", "train"]  # 5 and 7 steps; 5 again: cached
+    assert "inputs (16, 7)" in caplog.text and "keras_tensor" not in caplog.text
+    assert "different shapes" not in caplog.text
+    with caplog.at_level(logging.INFO, logger="keras_tpu"):
+        for length in range(8, 16):  # ten lengths in all: more than a handful
+            tpu.fit(rng.integers(0, 20, (16, length)), np.ones((16, 1)), batch_size=16, verbose=0)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "different shapes" in r.getMessage()]
+    assert len(warnings) == 1 and "pad or bucket" in warnings[0].getMessage()
 
 
-def test_refuses_custom_train_steps_and_double_conversion():
+def test_models_with_their_own_steps_and_losses_convert_and_double_conversion_is_refused():
     class Custom(keras.Model):
-        def train_step(self, *args):
-            raise AssertionError
+        def train_step(self, state, data):
+            raise AssertionError("runs only when trained")
 
     inputs = keras.Input((2,))
     custom = Custom(inputs=inputs, outputs=keras.layers.Dense(1)(inputs))
-    with pytest.raises(ValueError, match="train_step"):
-        keras_tpu.keras_to_tpu_model(custom)
-    class OwnLoss(keras.Model):
-        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-            return keras.ops.mean(y_pred)
-
-    own_loss = OwnLoss(inputs=inputs, outputs=keras.layers.Dense(1)(inputs))
-    with pytest.raises(ValueError, match="compute_loss.*TPUStrategy"):
-        keras_tpu.keras_to_tpu_model(own_loss)
+    custom.compile("sgd", "mse")
+    with pytest.raises(AssertionError, match="runs only when trained"):  # the model's own step is what runs
+        keras_tpu.keras_to_tpu_model(custom).fit(np.ones((8, 2)), np.ones((8, 1)), verbose=0)
     tpu = keras_tpu.keras_to_tpu_model(small_classifier())
     with pytest.raises(ValueError, match="already"):
         keras_tpu.keras_to_tpu_model(tpu)
