@@ -30,6 +30,7 @@ from keras_tpu import callbacks  # noqa: E402
 from keras_tpu.profile import TPUProfile, profile  # noqa: E402
 from keras_tpu.export import load_exported  # noqa: E402
 from keras_tpu.pod import WorkerLostError  # noqa: E402
+from keras_tpu.hbm import ResourceExhaustedError  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -38,5 +39,5 @@ __all__ = [
     "KerasTPUModel", "PerReplica", "ReduceOp", "ValueContext",
     "TPUClusterResolver", "TPUDistributionStrategy", "TPUStrategy", "Topology", "datasets", "estimator",
     "experimental_connect_to_cluster", "initialize_tpu_system", "keras_to_tpu_model", "mxu", "set_verbosity",
-    "TPUProfile", "callbacks", "profile", "load_exported", "WorkerLostError",
+    "TPUProfile", "callbacks", "profile", "load_exported", "WorkerLostError", "ResourceExhaustedError",
 ]

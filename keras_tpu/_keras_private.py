@@ -23,6 +23,16 @@
   ``keras.src.utils.io_utils.print_msg`` and leaves its line open between
   updates; keras_tpu's log records must start on a line of their own, and
   Keras has no public way to know whether the bar's line is open.
+* ``give_back_state``: Keras' JAX trainer takes the values out of a model's
+  variables for the duration of ``fit``/``evaluate``/``predict`` and puts them
+  back from the last step's state; when the very first step fails there is no
+  such state and the model is left without values. A TPU program refused
+  before it runs (it would not fit the core's HBM) must not cost the model.
+* ``deferred_variables_kept``: variables created in a
+  ``StatelessScope(initialize_variables=False)`` join Keras' global list of
+  deferred variables (``global_state``), which the next ``StatelessScope``
+  initialises; :func:`keras_tpu.hbm.abstract_weights` builds models that must
+  stay without values, so it restores the list.
 * ``watch_models``: ``TPUStrategy.scope()`` must know which models are
   created and compiled under it. Keras has no public hook for model
   creation; every model (functional, Sequential, subclassed) runs
@@ -185,3 +195,26 @@ def track_progress_line():
 
     io_utils.print_msg = print_msg
     _tracked.append(original)
+
+
+def give_back_state(model, mode, state):
+    """Put the values of a Keras loop's ``state`` (of ``mode``) back into ``model``'s variables."""
+    groups = {"train": (model.trainable_variables, model.non_trainable_variables,
+                        model.optimizer.variables if model.optimizer is not None else [], model.metrics_variables),
+              "test": (model.trainable_variables, model.non_trainable_variables, model.metrics_variables),
+              "predict": (model.trainable_variables, model.non_trainable_variables)}[mode]
+    for variables, values in zip(groups, state):
+        for variable, value in zip(variables, values):
+            variable._value = value  # what Keras' jax_state_sync does
+
+
+@contextlib.contextmanager
+def deferred_variables_kept():
+    """Restore Keras' list of deferred (not yet initialised) variables on exit."""
+    from keras.src.backend.common import global_state
+
+    deferred = list(global_state.get_global_attribute("uninitialized_variables", []) or [])
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("uninitialized_variables", deferred)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from keras_tpu import _keras_private, rewrite
+from keras_tpu import _keras_private, hbm, rewrite
 from keras_tpu.cluster import accelerator_spec
 from keras_tpu.cores import CoreLayout
 from keras_tpu.mxu.program import mxu_ops
@@ -70,6 +70,7 @@ class TPUProfile:
         self.dataset_size = dataset_size
         self._rows = rows
         self.advice = advice
+        self.hbm = None  # the per-core HBM of the step (keras_tpu.hbm.HBMFootprint), set by profile()
 
     def rows(self, step=None):
         """The ops as dicts with keys ``layer``, ``pass``, ``m``, ``k``, ``n``, ``cycles``,
@@ -142,9 +143,16 @@ class TPUProfile:
                 total += (f"; an epoch of {self.dataset_size} examples: "
                           f"{self.epoch_time(step):.3f} s")
             lines += ["-" * len(header), total]
+        if self.hbm is not None:
+            lines += ["", str(self.hbm)]
         if self.advice:
             lines += ["", "Advice (Cloud TPU performance guide):"] + [f"  * {a}" for a in self.advice]
         return "\n".join(lines)
+
+    def hbm_buffers(self):
+        """The largest buffers live at the step's HBM peak, as dicts (``name``, ``kind``, ``shape``,
+        ``dtype``, ``bytes``), largest first."""
+        return [dataclasses.asdict(b) for b in self.hbm.largest(len(self.hbm.buffers))] if self.hbm else []
 
     def plot(self, path, step="train"):
         """Save a PNG: utilisation and predicted time per layer and pass."""
@@ -328,8 +336,14 @@ def profile(model, batch_size=None, accelerator_type=None, num_cores=None, datas
                 rows.append(OpRow(step, _layer_of(op, names), op.pass_name, op.kind, op, op.cost.timing(spec)))
         report = TPUProfile(model.name, f"{spec.generation}-{type_cores}", num_cores, global_batch,
                             dataset_size, rows, [])
+        report.hbm = hbm.per_core_footprint(model, global_batch, accelerator_type=report.accelerator_type,
+                                            num_cores=num_cores, mode="train" if modes[0] == "train" else "predict")
         if with_advice:
             report.advice = _advice(profile_at, report)
+            if not report.hbm.fits:
+                report.advice.insert(0, f"The training step does not fit a core's HBM ({report.hbm.describe()}): "
+                                        f"on a TPU it fails with ResourceExhaustedError. Use a smaller batch, "
+                                        f"bfloat16, or a larger accelerator type.")
         return report
 
     return profile_at(batch_size, with_advice=advise)

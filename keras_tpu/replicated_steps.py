@@ -54,10 +54,10 @@ import keras
 from jax import lax
 from keras import tree
 
-from keras_tpu import _keras_private, pod, rewrite
+from keras_tpu import _keras_private, hbm, pod, rewrite
 from keras_tpu._logging import logger
 from keras_tpu.batching import BatchStacker, describe_input_shapes, unstack_outputs
-from keras_tpu.cores import REPLICATED, ROWS
+from keras_tpu.cores import REPLICATED, ROWS, CoreLayout
 from keras_tpu.custom_steps import CustomSteps, custom_step_methods
 from keras_tpu.mxu.numerics import canonical_precision
 from keras_tpu.mxu.routing import mxu_rule
@@ -118,7 +118,7 @@ class ReplicatedSteps:
         >>> model.train_function = steps.train_function(steps_per_execution=1)   # doctest: +SKIP
     """
 
-    def __init__(self, model, layout, precision="default", on_mxu=True, unrolled_cores=None):
+    def __init__(self, model, layout, precision="default", on_mxu=True, unrolled_cores=None, accelerator_type=None):
         # The model's own steps run as written (custom_steps); so do Keras' steps around a model's own
         # compute_loss/compute_metrics, which cannot know the padding rows of a partial batch.
         self.custom = custom_step_methods(model)
@@ -130,6 +130,7 @@ class ReplicatedSteps:
         self.precision = canonical_precision(precision)
         self.rule = program_rule(self.precision, on_mxu)
         self.last_programs = {}
+        self.accelerator_type = accelerator_type  # whose HBM a compiled program must fit (None: not checked)
         self._compiled_shapes = collections.defaultdict(set)
         self._warned_shapes = set()
 
@@ -225,6 +226,27 @@ class ReplicatedSteps:
         """The padded global batch of the last training program (None before ``fit``)."""
         program = self.last_programs.get("train")
         return program.stacker.global_batch if program else None
+
+    def hbm_footprint(self, mode, args):
+        """The per-core HBM one step of this mode's program needs on the accelerator (:mod:`keras_tpu.hbm`),
+        or ``None`` when not checked (a CPU placement).
+
+        ``args`` are the device program's arguments; one core's step is traced
+        abstractly (nothing runs), with one core's rows and the whole replicated
+        state, as each TPU core holds its own copy.
+        """
+        if self.accelerator_type is None:
+            return None
+        one_core = ReplicatedSteps(self.model, CoreLayout.abstract(1), self.precision, on_mxu=False,
+                                   unrolled_cores=False)
+        device_fn = {"train": one_core._device_train, "test": one_core._device_test,
+                     "predict": one_core._device_predict}[mode]
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+        return hbm.step_footprint(device_fn, hbm.one_core_arguments(abstract, self.layout.cores_per_device),
+                                  accelerator_type=self.accelerator_type,
+                                  argument_names=hbm.state_names(self.model, mode),
+                                  argument_kinds=hbm.state_kinds(self.model, mode),
+                                  label=f"{mode} step of {self.model.name!r}")
 
     # -- what one device runs: stacked steps ------------------------------------------
 
@@ -452,15 +474,18 @@ class _Program:
         executable = self._executables.get(key)
         if executable is None:
             started = time.perf_counter()
+            footprint = self.builder.hbm_footprint(self.mode, args)
+            if footprint is not None:
+                footprint.check()  # a program that would not fit a core's HBM fails here, as on a TPU
             executable = self._jitted.lower(*args).compile()
             self._executables[key] = executable
             real = int(stacked.real_rows.max())
             padding = "" if real == self.stacker.global_batch else f", {real} real rows"
             x = keras.utils.unpack_x_y_sample_weight(stacked.data)[0]
             shapes = tree.map_structure(lambda a: a[:, 0], x, none_is_leaf=False)  # one step's rows
-            logger.info("Compiled the TPU %s program (global batch %d%s, %d step(s) per call) in %.1f s; inputs %s.",
+            logger.info("Compiled the TPU %s program (global batch %d%s, %d step(s) per call) in %.1f s; inputs %s%s.",
                         self.mode, self.stacker.global_batch, padding, stacked.steps, time.perf_counter() - started,
-                        describe_input_shapes(shapes))
+                        describe_input_shapes(shapes), "" if footprint is None else f"; {footprint.describe()}")
             self.builder.note_compiled_shape(self.mode, describe_input_shapes(shapes, rows=0))
         return executable
 
@@ -485,7 +510,11 @@ class _Program:
             batches = [(keras.utils.unpack_x_y_sample_weight(b)[0], None, None) for b in batches]
         stacked = self.stacker.stack(batches)
         args = self._place(state, stacked)
-        executable = self._executable(args, stacked)
+        try:
+            executable = self._executable(args, stacked)
+        except hbm.ResourceExhaustedError:
+            _keras_private.give_back_state(self.builder.model, self.mode, state)  # nothing ran: keep the weights
+            raise
         if not pod.is_multi_worker():
             result = executable(*args)
             self._bound_in_flight(result)

@@ -119,3 +119,16 @@ def test_profile_command_line(tmp_path):
     failed = subprocess.run([sys.executable, "-m", "keras_tpu", "profile", weights_only],
                             capture_output=True, text=True, timeout=600)
     assert failed.returncode != 0 and "Weights-only files hold no architecture" in failed.stderr
+
+
+def test_the_profile_shows_the_steps_hbm_per_core_and_its_largest_buffers():
+    report = keras_tpu.profile(conv_model(), batch_size=1024)
+    assert report.hbm.fits and 0 < report.hbm.total_bytes < 8 * 2**30
+    assert "GiB HBM per core (v2-8)" in str(report)
+    buffers = report.hbm_buffers()
+    assert buffers and buffers[0]["bytes"] >= buffers[-1]["bytes"]
+    kinds = {b["kind"] for b in buffers}
+    assert {"parameter", "optimizer slot"} <= kinds
+    # Sixteen times the batch per core needs more activation memory, and says how much of the core it takes.
+    bigger = keras_tpu.profile(conv_model(), batch_size=16 * 1024, advise=False)
+    assert bigger.hbm.total_bytes > 4 * report.hbm.total_bytes
