@@ -33,6 +33,10 @@
   deferred variables (``global_state``), which the next ``StatelessScope``
   initialises; :func:`keras_tpu.hbm.abstract_weights` builds models that must
   stay without values, so it restores the list.
+* ``initialize_deferred_variables``: Keras initialises the variables created
+  in a ``StatelessScope`` when the scope closes; ``TPUStrategy.run`` traces a
+  replica function abstractly (an optimizer may create its slots on its first
+  ``apply``) and must initialise them after the trace, with real values.
 * ``watch_models``: ``TPUStrategy.scope()`` must know which models are
   created and compiled under it. Keras has no public hook for model
   creation; every model (functional, Sequential, subclassed) runs
@@ -218,3 +222,10 @@ def deferred_variables_kept():
         yield
     finally:
         global_state.set_global_attribute("uninitialized_variables", deferred)
+
+
+def initialize_deferred_variables():
+    """Give every variable created in a ``StatelessScope(initialize_variables=False)`` its initial value."""
+    from keras.src.backend.common.variables import initialize_all_variables
+
+    initialize_all_variables()

