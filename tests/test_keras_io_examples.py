@@ -42,7 +42,7 @@ def on_tpu(model, via):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("via", ["TPUStrategy"])  # one front end each keeps CI short; both run (VIAS) here
+@pytest.mark.parametrize("via", ["TPUStrategy"])  # VIAS has both; one each keeps CI short
 def test_simple_mnist_convnet(via, tmp_path):
     """examples/vision/mnist_convnet.py ("Simple MNIST convnet"), keras-io commit 02cfe80.
 
@@ -147,7 +147,7 @@ def generated_imdb(num_words, rows, seed, min_length=8, max_length=60):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("via", ["keras_to_tpu_model"])  # one front end each keeps CI short; both run (VIAS) here
+@pytest.mark.parametrize("via", ["keras_to_tpu_model"])  # VIAS has both; one each keeps CI short
 def test_bidirectional_lstm_imdb(via, tmp_path, caplog):
     """examples/nlp/bidirectional_lstm_imdb.py ("Bidirectional LSTM on IMDB"), keras-io commit
     0a4be8b: variable-length inputs, ``keras.Input(shape=(None,), dtype="int32")``.
@@ -227,7 +227,7 @@ def test_bidirectional_lstm_imdb(via, tmp_path, caplog):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("via", ["keras_to_tpu_model"])  # one front end each keeps CI short; both run (VIAS) here
+@pytest.mark.parametrize("via", ["keras_to_tpu_model"])  # VIAS has both; one each keeps CI short
 def test_variational_autoencoder(via, tmp_path):
     """examples/generative/vae.py ("Variational AutoEncoder"), keras-io commit cca4efb.
 
@@ -452,7 +452,7 @@ class OptimizerPair(keras.optimizers.Optimizer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("via", ["TPUStrategy"])  # one front end each keeps CI short; both run (VIAS) here
+@pytest.mark.parametrize("via", ["TPUStrategy"])  # VIAS has both; one each keeps CI short
 def test_dcgan_overriding_train_step(via, tmp_path):
     """examples/generative/dcgan_overriding_train_step.py ("GAN overriding Model.train_step", the
     MNIST DCGAN), keras-io commit 0d5f327. (The file's later versions train on CelebA faces at
