@@ -297,3 +297,17 @@ def test_jit_compile_is_accepted_and_the_tpu_program_always_compiled(option, cap
     with caplog.at_level(logging.INFO, logger="keras_tpu"):
         model.fit(x, x[:, :1], batch_size=16, verbose=0)
     assert "Compiled the TPU train program" in caplog.text
+
+
+def test_run_eagerly_runs_the_compiled_tpu_programs_or_is_refused(caplog):
+    x = np.ones((32, 4), "float32")
+    with keras_tpu.TPUStrategy().scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse", run_eagerly=True)
+    with caplog.at_level(logging.INFO, logger="keras_tpu"):
+        model.fit(x, x[:, :1], batch_size=16, verbose=0)
+    assert "Compiled the TPU train program" in caplog.text
+    cpu = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    cpu.compile("sgd", "mse")
+    with pytest.raises(ValueError, match="run_eagerly=True.*cpu_model"):
+        keras_tpu.keras_to_tpu_model(cpu).compile("sgd", "mse", run_eagerly=True)
