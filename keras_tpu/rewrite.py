@@ -97,11 +97,6 @@ class _Rewriter:
         return lu.wrap_init(rewritten, debug_info=fun.debug_info)
 
 
-def rewrite_jaxpr(jaxpr, rule):
-    """Apply ``rule`` to every equation of an (open) jaxpr, recursively."""
-    return _Rewriter(rule).jaxpr(jaxpr)
-
-
 def rewrite_closed_jaxpr(closed, rule):
     """Apply ``rule`` to every equation of a closed jaxpr, recursively."""
     return _Rewriter(rule).closed(closed)
