@@ -31,15 +31,20 @@ def profile_command(argv):
 
     import keras
 
+    from keras_tpu import step_time
     from keras_tpu.profile import profile
 
     parser = argparse.ArgumentParser(prog="python -m keras_tpu profile",
-                                     description="Print the TPU profile (MXU ops, cycles, utilisation, time) of a "
+                                     description="Print the TPU profile (MXU ops, cycles, utilisation, the whole step's time by part) of a "
                                                  "saved Keras model.")
     parser.add_argument("model", help="a model saved with model.save (.keras, or a whole-model .h5)")
     parser.add_argument("--batch-size", type=int, default=None, help="global batch (default: 128 per core)")
     parser.add_argument("--accelerator-type", default="v2-8")
     parser.add_argument("--dataset-size", type=int, default=None, help="examples per epoch, for epoch totals")
+    parser.add_argument("--deployment", default=None, choices=sorted(step_time.DEPLOYMENTS),
+                        help="where the input pipeline and the Python loop run (default: tpu_vm)")
+    parser.add_argument("--steps-per-execution", type=int, default=None,
+                        help="steps per host call (iterations_per_loop), amortising the host's cost")
     parser.add_argument("--plot", default=None, help="also save the utilisation/time plot to this PNG")
     parser.add_argument("--scalesim", default=None, help="also write the train step as a SCALE-Sim GEMM topology")
     args = parser.parse_args(argv)
@@ -51,7 +56,8 @@ def profile_command(argv):
         parser.error(f"{args.model} is not a saved Keras model ({error}). Weights-only files hold no "
                      f"architecture: save the model with model.save('model.keras').")
     report = profile(model, batch_size=args.batch_size, accelerator_type=args.accelerator_type,
-                     dataset_size=args.dataset_size)
+                     dataset_size=args.dataset_size, deployment=args.deployment,
+                     steps_per_execution=args.steps_per_execution)
     print(report)
     if args.plot:
         print(f"Plot saved to {report.plot(args.plot)}")

@@ -65,6 +65,61 @@ ACCELERATOR_TYPES = tuple(f"{gen}-{n}" for gen, sizes in SLICE_SIZES.items() for
 DEFAULT_ACCELERATOR_TYPE = "v2-8"
 
 
+@dataclasses.dataclass(frozen=True)
+class SystemFigures:
+    """Per-generation figures beyond the core's MXUs and HBM, for the whole-step time model
+    (:mod:`keras_tpu.step_time`). Kept apart from :class:`AcceleratorSpec` while ``keras_tpu.cluster``
+    still holds its own copy of that class.
+
+    Attributes:
+        vpu_ops_per_cycle: 32-bit element operations the core's vector unit does per cycle.
+        ici_allreduce_bytes_per_second_per_chip: bytes per second a chip sends (and receives) over its
+            inter-chip links in an all-reduce.
+        ici_hop_latency_s: latency of one inter-chip hop.
+        host_link_bytes_per_second_per_chip: host-to-chip (PCIe) bandwidth.
+        cores_per_host: TensorCores one host (VM) drives.
+    """
+
+    vpu_ops_per_cycle: int
+    ici_allreduce_bytes_per_second_per_chip: float
+    ici_hop_latency_s: float
+    host_link_bytes_per_second_per_chip: float
+    cores_per_host: int = 8
+
+
+# Vector unit: 8 sublanes x 128 lanes of 32-bit ALUs per core, one register-wide operation per cycle (the Cloud TPU
+# performance guide: "Each TPU core uses two-dimensional 8 X 128 vector registers"; Norrie et al., "The Design
+# Process for Google's Training Chips: TPUv2 and TPUv3", IEEE Micro 41(2), 2021). ICI: TPUv2 has 4 links of
+# 496 Gbit/s and TPUv3 4 links of 656 Gbit/s per chip (Jouppi et al., CACM 63(7), 2020, Table 3); v4 and v5e
+# from the Cloud TPU pages' "all-reduce bandwidth per Pod" divided by the Pod's chips (v4: 1.1 PB/s / 4096;
+# v5e: 51.2 TB/s / 256, = half of v5e's 400 GB/s bidirectional ICI per chip). Hop latency: 1 us, an
+# estimate (no published per-hop figure). Host link: PCIe Gen3 x16 per chip (15.75 GB/s; TPUv1's host
+# interface, Jouppi et al., ISCA 2017, kept as the figure for later hosts, whose links are not published per
+# chip). Eight cores per host: a v2-8/v3-8 host drives 4 chips of 2 cores, a v4 host 4 chips of 2, a v5e
+# host 8 chips of 1 (Cloud TPU v5e page: "Chips per host 8").
+SYSTEM_FIGURES = {
+    "v2": SystemFigures(8 * 128, 4 * 496e9 / 8, 1e-6, 15.75e9),
+    "v3": SystemFigures(8 * 128, 4 * 656e9 / 8, 1e-6, 15.75e9),
+    "v4": SystemFigures(8 * 128, 1.1e15 / 4096, 1e-6, 15.75e9),
+    "v5litepod": SystemFigures(8 * 128, 51.2e12 / 256, 1e-6, 15.75e9),
+}
+
+
+def system_figures(generation):
+    """The :class:`SystemFigures` of a generation (``"v2"``, ``"v3"``, ``"v4"``, ``"v5litepod"``/``"v5e"``) or
+    of an accelerator type such as ``"v3-8"``.
+
+    Example:
+        >>> system_figures("v3-8").ici_allreduce_bytes_per_second_per_chip / 1e9
+        328.0
+    """
+    name = str(generation).strip().lower()
+    name = "v5litepod" if name == "v5e" else name
+    if name not in SYSTEM_FIGURES:
+        name = accelerator_spec(name)[0].generation
+    return SYSTEM_FIGURES[name]
+
+
 def accelerator_spec(accelerator_type):
     """Parse an accelerator type such as ``"v3-8"`` into ``(AcceleratorSpec, num_cores)``.
 
@@ -88,4 +143,4 @@ def accelerator_spec(accelerator_type):
 
 
 __all__ = ["ACCELERATOR_TYPES", "AcceleratorSpec", "DEFAULT_ACCELERATOR_TYPE", "GENERATIONS", "GIB", "SLICE_SIZES",
-           "accelerator_spec"]
+           "SYSTEM_FIGURES", "SystemFigures", "accelerator_spec", "system_figures"]

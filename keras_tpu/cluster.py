@@ -12,7 +12,7 @@ import math
 import os
 import re
 
-from keras_tpu import host
+from keras_tpu import host, validation
 from keras_tpu._logging import logger
 
 
@@ -126,8 +126,8 @@ _LOCAL_NAMES = (None, "", "local")
 LOCAL_WORKER_ADDRESS = "localhost:8470"
 
 
-def _strip_grpc(address):
-    return address[len("grpc://"):] if address.startswith("grpc://") else address
+# A TPU's name (Cloud TPU node names; a full resource path "projects/p/locations/z/nodes/n" too).
+_TPU_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_./-]*")
 
 
 DeviceAttributes = collections.namedtuple("DeviceAttributes", ["name", "device_type", "memory_limit_bytes"])
@@ -193,15 +193,7 @@ class TPUClusterResolver:
         self.tpu, self.workers = self._resolve_workers(tpu)
         if task_index is None:  # the environment names this process's place in a pod
             task_index = os.environ.get("KERAS_TPU_TASK_INDEX", "0") if len(self.workers) > 1 else 0
-        try:
-            self.task_index = int(task_index)
-        except ValueError:
-            raise ValueError(f"The task index must be an integer; got {task_index!r}.") from None
-        if not 0 <= self.task_index < max(1, len(self.workers)):
-            raise ValueError(
-                f"Task index {self.task_index} is out of range for {len(self.workers)} worker(s) "
-                f"{self.workers}."
-            )
+        self.task_index = validation.check_task_index(task_index, len(self.workers))
 
     @staticmethod
     def connect(tpu=None, zone=None, project=None, **keras_tpu_kwargs):
@@ -237,15 +229,20 @@ class TPUClusterResolver:
             if tpu and os.environ.get("COLAB_TPU_ADDR") == tpu:
                 tpu = "grpc://" + tpu
         if isinstance(tpu, (list, tuple)):
-            workers = [_strip_grpc(str(w).strip()) for w in tpu if str(w).strip()]
+            workers = validation.check_worker_list(tpu)
             return ",".join(workers), workers
         if not isinstance(tpu, (str, type(None))):
             raise TypeError(f"`tpu` must be a string, a list of worker addresses or None; got {tpu!r}.")
         if tpu in _LOCAL_NAMES:
             return "local", []
-        parts = [_strip_grpc(p.strip()) for p in tpu.split(",") if p.strip()]
-        if len(parts) > 1 or ":" in parts[0]:
-            return tpu, parts
+        parts = [p.strip() for p in tpu.strip().rstrip(",").split(",")]  # a trailing comma is harmless
+        if len(parts) > 1:  # a pod's comma-separated worker list ("a:8470,b:8470")
+            return tpu, validation.check_worker_list(parts)
+        if "://" in tpu or ":" in tpu:  # one address
+            return tpu, [validation.check_address(tpu)]
+        if not _TPU_NAME.fullmatch(tpu.strip()):
+            raise ValueError(f"tpu={tpu!r} is neither a TPU name (letters, digits, '-', '_', '.' and '/') nor an "
+                             f"address 'grpc://host:port'. Pass None for the local TPU.")
         return tpu, []  # a TPU name: nothing to resolve here
 
     @property

@@ -824,7 +824,8 @@ class TPUEstimator:
         # One placement per way of running: the TPU's cores (num_shards of them) and the CPU (use_tpu=False,
         # or evaluation with eval_on_tpu=False).
         self._tpu = Placement(self.config.cluster or TPUClusterResolver(self.config.master), "default",
-                              num_cores=tpu_config.num_shards, owner="TPUEstimator") if self.use_tpu else None
+                              num_cores=tpu_config.num_shards, steps_per_execution=self.iterations_per_loop,
+                              owner="TPUEstimator") if self.use_tpu else None
         self._cpu = None
         self._topology = self._tpu.topology if self._tpu is not None else None
         self._job_name = self._tpu.resolver.job_name if self._tpu is not None else "worker"

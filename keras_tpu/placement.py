@@ -19,7 +19,7 @@ data-parallel layouts: one object the trainer asks for placement.)
 import dataclasses
 import types
 
-from keras_tpu import _keras_private
+from keras_tpu import _keras_private, validation, weights
 from keras_tpu.cluster import TPUClusterResolver, initialize_tpu_system
 from keras_tpu.cores import CoreLayout
 from keras_tpu.mxu.numerics import canonical_precision
@@ -65,6 +65,7 @@ class Placement:
         self.precision = canonical_precision(precision)
         self.on_mxu = bool(on_mxu)
         self.steps_per_execution = steps_per_execution
+        self.owner = owner  # the front end: its default deployment for the step-time model (keras_tpu.profile)
         if on_mxu:
             self.topology = initialize_tpu_system(resolver)
             layout = self.topology.layout
@@ -128,11 +129,14 @@ class Placement:
         model.__dict__[_INSTALLED] = Installation(self, user_model or model)
         for name, method in _model_methods(self).items():
             model.__dict__[name] = types.MethodType(method, model)
+        if user_model is None:  # (keras_to_tpu_model's wrapper does this in its own methods)
+            for name, method in _FILE_METHODS.items():
+                model.__dict__[name] = types.MethodType(method, model)
 
     def uninstall(self, model):
         """Undo :meth:`install`: ``model`` gets Keras' own methods back (its compiled programs are dropped)."""
         model.__dict__.pop(_INSTALLED, None)
-        for name in _model_methods(self):
+        for name in list(_model_methods(self)) + list(_FILE_METHODS):
             model.__dict__.pop(name, None)
 
     def __repr__(self):
@@ -158,27 +162,70 @@ def installed_on(model):
     return getattr(model, "__dict__", {}).get(_INSTALLED)
 
 
+def _load_weights(model, filepath, *args, **kwargs):
+    """Keras' ``load_weights``, after :func:`keras_tpu.weights.check_loadable` (a damaged file, or
+    another model's weights, get a message naming the file and the layer)."""
+    weights.check_loadable(model, filepath, by_name=kwargs.get("by_name", False),
+                           skip_mismatch=kwargs.get("skip_mismatch", False))
+    return type(model).load_weights(model, filepath, *args, **kwargs)
+
+
+def _save_weights(model, filepath, overwrite=True, **kwargs):
+    """Keras' ``save_weights``, written atomically (:mod:`keras_tpu._files`): a save that is killed
+    (``BackupAndRestore``, ``ModelCheckpoint``) or fails never leaves a torn file under the name.
+    ``.h5`` writes tf.keras' layout, as ``keras_to_tpu_model`` models do."""
+    if kwargs or not str(filepath).endswith((weights.KERAS3_SUFFIX,) + weights.LEGACY_SUFFIXES):
+        return type(model).save_weights(model, filepath, overwrite=overwrite, **kwargs)  # Keras explains
+    weights.save_weights(model, filepath, overwrite=overwrite)
+
+
+def _save(model, filepath, overwrite=True, **kwargs):
+    """Keras' ``save``, written atomically as :func:`_save_weights` is."""
+    if not str(filepath).endswith((".keras",) + weights.LEGACY_SUFFIXES):
+        return type(model).save(model, filepath, overwrite=overwrite, **kwargs)  # Keras explains
+    weights.save_model(model, filepath, overwrite=overwrite, **kwargs)
+
+
+_FILE_METHODS = {"load_weights": _load_weights, "save_weights": _save_weights, "save": _save}
+
+
 def _model_methods(placement):
     """The methods an installed model gets (instance attributes shadow Keras')."""
     def compile(model, *args, **kwargs):
+        if "steps_per_execution" in kwargs:  # refused here, not as a bare range() error at the first fit
+            validation.check_steps_per_execution(kwargs["steps_per_execution"])
         type(model).compile(model, *args, **kwargs)
         if "steps_per_execution" not in kwargs:  # the placement's default applies
             model.steps_per_execution = placement.steps_per_execution
 
+    def steps_per_execution(model):
+        # Also set directly (model.steps_per_execution = n): checked once per program, not per step.
+        validation.check_steps_per_execution(model.steps_per_execution, where="model.steps_per_execution")
+        return model.steps_per_execution
+
     def make_train_function(model, force=False):
         if model.train_function is None or force:
-            model.train_function = placement.steps_for(model).train_function(model.steps_per_execution)
+            model.train_function = placement.steps_for(model).train_function(steps_per_execution(model))
         return model.train_function
 
     def make_test_function(model, force=False):
         if model.test_function is None or force:
-            model.test_function = placement.steps_for(model).test_function(model.steps_per_execution)
+            model.test_function = placement.steps_for(model).test_function(steps_per_execution(model))
         return model.test_function
 
     def make_predict_function(model, force=False):
         if model.predict_function is None or force:
-            model.predict_function = placement.steps_for(model).predict_function(model.steps_per_execution)
+            model.predict_function = placement.steps_for(model).predict_function(steps_per_execution(model))
         return model.predict_function
 
-    return {"compile": compile, "make_train_function": make_train_function,
-            "make_test_function": make_test_function, "make_predict_function": make_predict_function}
+    def checked(call):
+        # The user's arguments are checked on the host once per call, then the model's own method runs.
+        def method(model, *args, **kwargs):
+            return validation.validated_call(model, call, args, kwargs)
+        method.__name__ = call
+        return method
+
+    methods = {"compile": compile, "make_train_function": make_train_function,
+               "make_test_function": make_test_function, "make_predict_function": make_predict_function}
+    methods.update({call: checked(call) for call in validation.CHECKED_CALLS})
+    return methods

@@ -18,14 +18,17 @@ an error; restarting all workers resumes from the last checkpoint.
 
 import os
 import random
+import zlib
 
 import jax
 import numpy as np
 
+from keras_tpu import validation
 from keras_tpu._logging import logger
 
 #: Seconds without a heartbeat after which the coordinator declares a worker dead.
-HEARTBEAT_TIMEOUT_S = int(os.environ.get("KERAS_TPU_HEARTBEAT_TIMEOUT", "10"))
+HEARTBEAT_TIMEOUT_S = validation.check_environment_integer(
+    "KERAS_TPU_HEARTBEAT_TIMEOUT", os.environ.get("KERAS_TPU_HEARTBEAT_TIMEOUT", "10"))
 
 
 class WorkerLostError(RuntimeError):
@@ -34,9 +37,13 @@ class WorkerLostError(RuntimeError):
 
 def workers_from_environment():
     """``(workers, task_index)`` from ``KERAS_TPU_WORKERS`` and ``KERAS_TPU_TASK_INDEX``."""
-    workers = [w.strip() for w in os.environ.get("KERAS_TPU_WORKERS", "").split(",") if w.strip()]
-    workers = [w[len("grpc://"):] if w.startswith("grpc://") else w for w in workers]
-    return workers, int(os.environ.get("KERAS_TPU_TASK_INDEX", "0"))
+    raw = os.environ.get("KERAS_TPU_WORKERS", "")
+    if not raw.strip():
+        return [], 0
+    workers = validation.check_worker_list(raw.strip().rstrip(",").split(","), "KERAS_TPU_WORKERS")
+    task_index = validation.check_task_index(os.environ.get("KERAS_TPU_TASK_INDEX", "0"), len(workers),
+                                             "KERAS_TPU_TASK_INDEX")
+    return workers, task_index
 
 
 _started = None
@@ -52,8 +59,10 @@ def start(workers, task_index):
     key = (tuple(workers), int(task_index))
     if _started is not None:
         if _started != key:
-            raise RuntimeError(f"This process already joined the pod {_started[0]} as task {_started[1]}; "
-                               f"it cannot join {list(workers)} as task {task_index}.")
+            raise RuntimeError(f"This process already joined the pod {list(_started[0])} as task {_started[1]} "
+                               f"(from KERAS_TPU_WORKERS/KERAS_TPU_TASK_INDEX or an earlier resolver); it cannot "
+                               f"join {list(workers)} as task {task_index}. Give the resolver the same workers and "
+                               f"task index, or TPUClusterResolver() with none to use the environment's.")
         return
     if len(workers) < 2:
         return
@@ -72,8 +81,47 @@ def start(workers, task_index):
                 "any model or JAX array.") from error
         raise
     _started = key
+    _check_workers_agree(workers, task_index)
     _agree_on_host_seed()
     logger.info("Joined the TPU pod as worker %d of %d (coordinator %s).", task_index, len(workers), workers[0])
+
+
+def _check_workers_agree(workers, task_index):
+    """Fail fast, on every worker, when the workers were started with different worker lists or
+    core counts: they would otherwise compute different layouts and wait in a collective forever."""
+    # host.cores_per_worker() reads the same variable (host imports this module, so not imported here).
+    cores = validation.check_environment_integer("KERAS_TPU_CORES_PER_WORKER",
+                                                 os.environ.get("KERAS_TPU_CORES_PER_WORKER", "8"))
+    mine = np.array([zlib.crc32(",".join(workers).encode()) & 0x7FFFFFFF, cores], np.int32)
+    everyone = _gather_one_row_per_worker(mine)
+    if len({int(v) for v in everyone[:, 0]}) > 1 or len(everyone) != len(workers):
+        differ = [i for i in range(len(everyone)) if everyone[i, 0] != everyone[0, 0]]
+        raise RuntimeError(f"The workers of this pod were given different worker lists: worker(s) {differ} "
+                           f"disagree with worker 0 (this is worker {task_index}, with {workers}). Give every "
+                           f"worker the same KERAS_TPU_WORKERS (or resolver list), in the same order.")
+    cores = [int(v) for v in everyone[:, 1]]
+    if len(set(cores)) > 1:
+        raise RuntimeError(f"The workers of this pod simulate different numbers of cores: "
+                           f"KERAS_TPU_CORES_PER_WORKER is {cores} on workers 0..{len(cores) - 1}. Set the same "
+                           f"value on every worker.")
+
+
+def _gather_one_row_per_worker(row):
+    """Every worker's ``row``, stacked in worker order. It runs on one device per worker (as the
+    cores' programs do), so workers that disagree on their device counts still meet here;
+    ``multihost_utils.process_allgather`` spans all devices and would fail obscurely."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    first = {}
+    for device in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
+        first.setdefault(device.process_index, device)
+    devices = [first[p] for p in sorted(first)]
+    mesh = Mesh(np.array(devices), ("workers",))
+    local = jax.device_put(np.asarray(row)[None], first[jax.process_index()])
+    stacked = jax.make_array_from_single_device_arrays((len(devices),) + np.shape(row),
+                                                       NamedSharding(mesh, PartitionSpec("workers")), [local])
+    gathered = jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))(stacked)
+    return np.asarray(gathered.addressable_data(0))
 
 
 def _agree_on_host_seed():

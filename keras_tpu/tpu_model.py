@@ -435,13 +435,16 @@ class KerasTPUModel(keras.Model):
             kwargs["by_name"] = True
         weights.load_weights(self._cpu_model, filepath, skip_mismatch=skip_mismatch, **kwargs)
 
-    def profile(self, batch_size=None, accelerator_type=None, dataset_size=None):
+    def profile(self, batch_size=None, accelerator_type=None, dataset_size=None, **kwargs):
         """The :class:`keras_tpu.TPUProfile` of this model on its TPU (see :func:`keras_tpu.profile`).
 
-        Defaults: the global batch of the last ``fit`` (else 128 per core) and this strategy's
-        accelerator type.
+        Defaults: the global batch of the last ``fit`` (else 128 per core), this strategy's
+        accelerator type, and the deployment of TF 1.x's ``keras_to_tpu_model`` (numpy fed from
+        a remote client); ``deployment``, ``steps_per_execution`` and ``input_dtype`` go to
+        :func:`keras_tpu.profile`.
         """
-        return _profile(self, batch_size=batch_size, accelerator_type=accelerator_type, dataset_size=dataset_size)
+        return _profile(self, batch_size=batch_size, accelerator_type=accelerator_type, dataset_size=dataset_size,
+                        **kwargs)
 
     def export(self, path):
         """Write the inference function (MXU numerics, any batch size) and its weights with

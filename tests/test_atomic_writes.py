@@ -4,6 +4,7 @@ import errno
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import pytest
 
 from keras_tpu import _files, checkpoints, weights
 from keras_tpu.datasets import _cache
-from keras_tpu.export import export_model, load_exported
+from keras_tpu.export import ExportedModel, export_model, load_exported
 from tests.conftest import REPO, run_python
 
 
@@ -241,6 +242,7 @@ SAVER = """
 import os, sys
 import keras_tpu, keras, numpy as np
 from keras_tpu import checkpoints, weights
+from keras_tpu.export import export_model
 directory = sys.argv[1]
 model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(512), keras.layers.Dense(256), keras.layers.Dense(10)])
 step = 0
@@ -249,12 +251,14 @@ while True:
     model.set_weights([np.full(w.shape, step, w.dtype) for w in model.get_weights()])
     weights.save_weights(model, os.path.join(directory, "model.h5"))
     weights.save_weights(model, os.path.join(directory, "model.weights.h5"))
-    checkpoints.save(directory, step, model.get_weights(), keep=2)
+    checkpoints.save(directory, step, model.get_weights(), keep=2)  # what TPUEstimator writes
+    weights.save_model(model, os.path.join(directory, "model.keras"))
+    export_model(model, os.path.join(directory, "exported"))
     if step == 1:
         print("SAVED", flush=True)
 """
 
-FINAL_NAMES = ("model.h5", "model.weights.h5", "checkpoint")
+FINAL_NAMES = ("model.h5", "model.weights.h5", "checkpoint", "model.keras", "exported")
 
 
 def _saver_model():
@@ -288,8 +292,14 @@ def _check_after_kill(directory):
                 assert _step_of([data[k] for k in data.files if k != "header"]) == int(name[5:13])
     step, arrays, _ = checkpoints.latest(directory)
     assert _step_of(arrays) == step
+    model = _saver_model()
+    weights.load_weights(model, os.path.join(directory, "model.keras"))
+    exported = ExportedModel(os.path.join(directory, "exported"))  # complete: its artifact deserializes
+    assert exported(np.zeros((2, 64), np.float32)).shape == (2, 10)
     # Saved in this order, so each is the same save as the one before it, or one behind.
-    assert steps["model.h5"] - 1 <= step <= steps["model.weights.h5"] <= steps["model.h5"]
+    in_order = [steps["model.h5"], steps["model.weights.h5"], step, _step_of(model.get_weights()),
+                _step_of(exported.trainable)]
+    assert in_order == sorted(in_order, reverse=True) and in_order[0] - in_order[-1] <= 1, in_order
     return len(leftovers)
 
 
@@ -308,7 +318,7 @@ def _kill_savers(tmp_path, kills, parallel):
         for directory, saver in savers:
             line = saver.stdout.readline()  # blocks until the first complete round of saves
             assert line.strip() == "SAVED", open(f"{directory}.log").read()[-3000:]
-            time.sleep(rng.uniform(0.0, 0.6))  # kill somewhere in a later round, at a random moment
+            time.sleep(rng.uniform(0.0, 1.5))  # kill somewhere in a later round, at a random moment
             saver.kill()
             saver.wait()  # reaped: its pid no longer runs
             saver.stdout.close()
@@ -320,6 +330,8 @@ def _kill_savers(tmp_path, kills, parallel):
     weights.save_weights(model, os.path.join(directory, "model.h5"))
     weights.save_weights(model, os.path.join(directory, "model.weights.h5"))
     checkpoints.save(directory, 10**6, model.get_weights(), keep=2)
+    weights.save_model(model, os.path.join(directory, "model.keras"))
+    export_model(model, os.path.join(directory, "exported"))
     assert not [n for n in _listing(directory) if _files.is_temp_name(n)]
     return leftovers
 
@@ -442,3 +454,60 @@ def test_in_a_pod_the_chief_writes_and_every_worker_waits_and_hears_of_failures(
             in results[0][1])
     assert f"ERROR Could not save {path}: the chief worker failed to write it; see its error." in results[1][1]
     assert _listing(tmp_path) == ["checkpoint", "ckpt-00000007.npz", "model.h5"]
+
+
+# -- training killed mid-epoch, then resumed ---------------------------------------------------------
+
+TRAINER = """
+import json, os, signal, sys
+import keras_tpu, keras, numpy as np
+backup, out, kill_after = sys.argv[1], sys.argv[2], int(sys.argv[3])
+keras.utils.set_random_seed(0)
+rng = np.random.default_rng(0)
+x = rng.standard_normal((96, 6)).astype("float32")
+y = x[:, :3].argmax(axis=1)
+with keras_tpu.TPUStrategy().scope():
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(3, activation="softmax")])
+    model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
+
+class KillMidEpoch(keras.callbacks.Callback):
+    batches = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        KillMidEpoch.batches += 1
+        if KillMidEpoch.batches == kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)  # no clean-up of any kind, as a lost machine
+
+callbacks = [keras.callbacks.BackupAndRestore(backup),
+             keras.callbacks.ModelCheckpoint(backup + "-last.weights.h5", save_weights_only=True),
+             KillMidEpoch()]
+history = model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=callbacks)
+np.save(out, np.concatenate([w.ravel() for w in model.get_weights()]))
+print("EPOCHS", json.dumps(history.epoch), flush=True)
+"""
+
+
+def _train(backup, out, kill_after):
+    result = run_python(f"import sys; sys.argv = ['-c', {str(backup)!r}, {str(out)!r}, '{kill_after}']\n"
+                        + TRAINER, timeout=300)
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_after", [9, 22], ids=["epoch-2", "epoch-4"])
+def test_training_killed_mid_epoch_resumes_to_the_same_weights(tmp_path, kill_after):
+    """6 batches per epoch: batch 9 is in the middle of epoch 2, batch 22 in the middle of epoch 4."""
+    whole = _train(tmp_path / "whole", tmp_path / "whole.npy", -1)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = _train(tmp_path / "backup", tmp_path / "never.npy", kill_after)
+    assert killed.returncode == -signal.SIGKILL and not (tmp_path / "never.npy").exists(), killed.stderr[-3000:]
+    resumed = _train(tmp_path / "backup", tmp_path / "resumed.npy", -1)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    done = (kill_after - 1) // 6  # epochs completed (and backed up) before the kill
+    assert f"EPOCHS {list(range(done, 4))}" in resumed.stdout  # resumed at the interrupted epoch
+    np.testing.assert_array_equal(np.load(tmp_path / "resumed.npy"), np.load(tmp_path / "whole.npy"))
+    last = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16), keras.layers.Dense(3)])
+    last.load_weights(str(tmp_path / "backup-last.weights.h5"))  # ModelCheckpoint's file: the final weights
+    np.testing.assert_array_equal(np.concatenate([w.ravel() for w in last.get_weights()]),
+                                  np.load(tmp_path / "whole.npy"))

@@ -18,6 +18,14 @@ outputs as ``ceil((H - k + s) / s)`` where XLA and Keras use
 ``floor((H - k) / s) + 1``; :func:`scalesim_layer_cost` costs a SCALE-Sim
 topology row by SCALE-Sim's own convention.
 
+SCALE-Sim also models two other dataflows with the same fold formula and a
+different mapping (Samajdar et al., "SCALE-Sim", arXiv:1811.02883, section
+III): output stationary (``"os"``: ``M`` down the rows, ``N`` across, ``K``
+streams) and input stationary (``"is"``: ``K`` down the rows, ``M`` across,
+``N`` streams). ``dataflow="ws"`` is the default and the TPU's own; the
+profile maps a weight gradient (whose "weights" are activations) the cheapest
+of the three ways, as a compiler choosing which operand to hold does.
+
 On a core with several MXUs (v3: 2, v4 and v5e: 4) the folds are shared
 among them. Time is the larger of compute time and HBM time (a roofline), with
 bfloat16 operands and float32 results moved once.
@@ -30,6 +38,9 @@ from keras_tpu.accelerators import GENERATIONS, accelerator_spec
 
 BF16_BYTES = 2
 F32_BYTES = 4
+
+#: SCALE-Sim's dataflows: weight, output and input stationary.
+DATAFLOWS = ("ws", "os", "is")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +62,11 @@ class Timing:
 
 @dataclasses.dataclass(frozen=True)
 class GemmCost:
-    """The cost of ``count`` GEMMs ``[m, k] @ [k, n]`` on a ``rows x cols`` weight-stationary array."""
+    """The cost of ``count`` GEMMs ``[m, k] @ [k, n]`` on a ``rows x cols`` array.
+
+    ``dataflow`` is SCALE-Sim's: ``"ws"`` (weight stationary, the TPU's and the
+    default), ``"os"`` (output stationary) or ``"is"`` (input stationary).
+    """
 
     m: int
     k: int
@@ -59,20 +74,29 @@ class GemmCost:
     rows: int = 128
     cols: int = 128
     count: int = 1
+    dataflow: str = "ws"
 
     def __post_init__(self):
         for name in ("m", "k", "n", "rows", "cols", "count"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"GEMM {name} must be a positive integer; got {value!r}.")
+        if self.dataflow not in DATAFLOWS:
+            raise ValueError(f"dataflow must be one of {DATAFLOWS}; got {self.dataflow!r}.")
+
+    @property
+    def _mapping(self):
+        """(dimension down the rows, dimension across the columns, dimension streamed), per SCALE-Sim."""
+        return {"ws": (self.k, self.n, self.m), "os": (self.m, self.n, self.k), "is": (self.k, self.m, self.n)}[
+            self.dataflow]
 
     @property
     def row_folds(self):
-        return math.ceil(self.k / self.rows)
+        return math.ceil(self._mapping[0] / self.rows)
 
     @property
     def col_folds(self):
-        return math.ceil(self.n / self.cols)
+        return math.ceil(self._mapping[1] / self.cols)
 
     @property
     def folds(self):
@@ -80,7 +104,7 @@ class GemmCost:
 
     @property
     def cycles_per_fold(self):
-        return 2 * self.rows + self.cols + self.m - 2
+        return 2 * self.rows + self.cols + self._mapping[2] - 2
 
     @property
     def cycles(self):
@@ -103,7 +127,8 @@ class GemmCost:
     @property
     def mapping_efficiency(self):
         """Average fraction of the array's cells holding a weight (SCALE-Sim's mapping efficiency)."""
-        return (self.k * self.n) / (self.row_folds * self.col_folds * self.rows * self.cols)
+        down, across, _ = self._mapping
+        return (down * across) / (self.row_folds * self.col_folds * self.rows * self.cols)
 
     @property
     def padding_waste(self):
@@ -112,16 +137,44 @@ class GemmCost:
 
     @property
     def padded_shape(self):
-        """``(m, k, n)`` rounded up to whole folds."""
-        return (self.m, self.row_folds * self.rows, self.col_folds * self.cols)
+        """``(m, k, n)`` with the two mapped dimensions rounded up to whole folds."""
+        rounded = {"m": self.m, "k": self.k, "n": self.n}
+        spatial = {"ws": ("k", "n"), "os": ("m", "n"), "is": ("k", "m")}[self.dataflow]
+        rounded[spatial[0]] = self.row_folds * self.rows
+        rounded[spatial[1]] = self.col_folds * self.cols
+        return (rounded["m"], rounded["k"], rounded["n"])
 
     @property
     def compute_utilization(self):
         """SCALE-Sim's per-fold "compute utilization" (fill and drain of each fold counted)."""
-        per_fold_cycles = 2 * self.rows + 2 * self.cols + self.m - 3
-        return self.mapping_efficiency * self.m / per_fold_cycles
+        streamed = self._mapping[2]
+        per_fold_cycles = 2 * self.rows + 2 * self.cols + streamed - 3
+        return self.mapping_efficiency * streamed / per_fold_cycles
 
-    # Element traffic between the array and its on-chip buffers (SCALE-Sim's SRAM counts).
+    def with_dataflow(self, dataflow):
+        """The same GEMMs mapped with another of SCALE-Sim's dataflows.
+
+        Example:
+            >>> gemm_cost(9, 25088, 6).with_dataflow("os").cycles < gemm_cost(9, 25088, 6).cycles
+            True
+        """
+        return dataclasses.replace(self, dataflow=dataflow)
+
+    def cheapest_dataflow(self):
+        """This GEMM mapped the cheapest of SCALE-Sim's three ways (fewest cycles; ties keep ``"ws"``).
+
+        A weight gradient ``dW[K_in, N] = X^T[K_in, rows] @ dY[rows, N]``
+        contracts over all the rows of the batch: weight stationary reloads the
+        array ``rows / 128`` times and streams only ``K_in`` rows through each
+        load, which output stationary avoids.
+
+        Example:
+            >>> gemm_cost(9, 25088, 6).cheapest_dataflow().dataflow
+            'os'
+        """
+        return min((self.with_dataflow(d) for d in DATAFLOWS), key=lambda c: (c.cycles, DATAFLOWS.index(c.dataflow)))
+
+    # Element traffic between the array and its on-chip buffers (SCALE-Sim's SRAM counts, weight stationary).
     @property
     def ifmap_reads(self):
         return self.count * self.m * self.k * self.col_folds
@@ -139,8 +192,12 @@ class GemmCost:
         """Bytes moved to and from HBM: bf16 operands read once, float32 results written once."""
         return self.count * ((self.m * self.k + self.k * self.n) * BF16_BYTES + self.m * self.n * F32_BYTES)
 
-    def timing(self, accelerator="v2-8"):
+    def timing(self, accelerator="v2-8", hbm_bytes=None):
         """Predicted :class:`Timing` on one core of ``accelerator`` (a type name or AcceleratorSpec).
+
+        ``hbm_bytes`` replaces :attr:`hbm_bytes` when the caller knows the
+        operands' real size (a convolution reads its input once, not its
+        im2col matrix; an operand of several bf16 passes is read once).
 
         Example:
             >>> gemm_cost(1024, 288, 64).timing("v3-8").bound
@@ -154,13 +211,14 @@ class GemmCost:
         return Timing(
             compute_cycles=compute_cycles,
             compute_s=compute_cycles / spec.clock_hz,
-            memory_s=self.hbm_bytes / spec.hbm_bytes_per_second_per_core,
+            memory_s=(self.hbm_bytes if hbm_bytes is None else hbm_bytes) / spec.hbm_bytes_per_second_per_core,
         )
 
     def as_dict(self):
         """The figures as a flat dict (for tables and CSV)."""
         return {
             "m": self.m, "k": self.k, "n": self.n, "count": self.count, "rows": self.rows, "cols": self.cols,
+            "dataflow": self.dataflow,
             "folds": self.folds, "cycles": self.cycles, "macs": self.macs,
             "utilization": self.utilization, "mapping_efficiency": self.mapping_efficiency,
             "padding_waste": self.padding_waste, "hbm_bytes": self.hbm_bytes,
@@ -177,15 +235,15 @@ def _spec(accelerator):
     return accelerator_spec(accelerator)[0]
 
 
-def gemm_cost(m, k, n, rows=128, cols=128, count=1):
-    """Cost of ``[m, k] @ [k, n]`` on a ``rows x cols`` weight-stationary MXU.
+def gemm_cost(m, k, n, rows=128, cols=128, count=1, dataflow="ws"):
+    """Cost of ``[m, k] @ [k, n]`` on a ``rows x cols`` MXU (weight stationary unless ``dataflow`` says).
 
     Example:
         >>> cost = gemm_cost(m=1024, k=288, n=64)
         >>> cost.folds, cost.cycles, round(cost.utilization, 3)
         (3, 4217, 0.273)
     """
-    return GemmCost(int(m), int(k), int(n), int(rows), int(cols), int(count))
+    return GemmCost(int(m), int(k), int(n), int(rows), int(cols), int(count), str(dataflow))
 
 
 @dataclasses.dataclass(frozen=True)

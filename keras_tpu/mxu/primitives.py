@@ -41,10 +41,16 @@ from keras_tpu.mxu import kernels
 from keras_tpu.mxu.numerics import Precision, canonical_precision, is_mxu_dtype, multipass, op_precision
 
 
+def _static(*shapes):
+    """Whether every dimension is a number (``jax.export``'s symbolic batch is not: no measured choice)."""
+    return all(isinstance(d, int) for shape in shapes for d in shape)
+
+
 def _dot_pass(lhs, rhs, out_shape, dimension_numbers):
     """The chosen form of one bf16 pass of this dot: ``(form, pass function)``."""
     layout = kernels.dot_layout(lhs.ndim, rhs.ndim, dimension_numbers)
-    form = kernels.choose_form("dot", layout, kernels.dot_gemm(lhs.shape, rhs.shape, dimension_numbers))
+    form = kernels.choose_form("dot", layout, kernels.dot_gemm(lhs.shape, rhs.shape, dimension_numbers)) \
+        if _static(lhs.shape, rhs.shape) else kernels.ROUND_F32
     return form, lambda a, b: kernels.dot_pass(a, b, dimension_numbers, form)
 
 
@@ -54,9 +60,12 @@ def _conv_pass(lhs, rhs, out_shape, window_strides, padding, lhs_dilation, rhs_d
     geometry = dict(window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation,
                     rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
                     feature_group_count=feature_group_count, batch_group_count=batch_group_count)
-    gemm = kernels.conv_gemm(lhs.shape, rhs.shape, out_shape, dimension_numbers, feature_group_count,
-                             batch_group_count)
-    form = kernels.choose_form("conv", kernels.conv_layout(dimension_numbers), gemm)
+    if _static(lhs.shape, rhs.shape, out_shape):
+        gemm = kernels.conv_gemm(lhs.shape, rhs.shape, out_shape, dimension_numbers, feature_group_count,
+                                 batch_group_count)
+        form = kernels.choose_form("conv", kernels.conv_layout(dimension_numbers), gemm)
+    else:
+        form = kernels.ROUND_F32
     return form, lambda a, b: kernels.conv_pass(a, b, geometry, form)
 
 

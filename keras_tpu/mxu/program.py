@@ -6,6 +6,19 @@ finds them all (inside loops, branches and nested calls), maps each onto the
 array (see :mod:`keras_tpu.mxu.cost`) and records where it came from: the
 name stack that JAX keeps, which for a Keras model names the layer, and
 whether autodiff made it (backward) or not (forward).
+
+Two mappings differ from plain im2col, as a TPU compiler's do:
+
+* A convolution with input dilation (a transposed convolution, and the
+  input gradient of every strided convolution) is costed by its non-zero
+  products: im2col would stream the zeros inserted between input elements
+  through the array, a compiler splits the convolution into phases that skip
+  them. ``K`` becomes the average number of kernel taps that land on a real
+  input element, times the input channels (exact per spatial dimension).
+* A weight gradient (a backward op whose result has the shape of a forward
+  op's weights) is mapped the cheapest of SCALE-Sim's dataflows
+  (:meth:`~keras_tpu.mxu.cost.GemmCost.cheapest_dataflow`); its ``cost.dataflow``
+  says which.
 """
 
 import dataclasses
@@ -37,6 +50,9 @@ class MXUOp:
     out_shape: tuple
     in_loop: bool = False     # inside a while loop: trip count unknown, counted once
     in_branch: bool = False   # inside a cond branch: may not run
+    dtypes: tuple = ("float32", "float32", "float32")   # lhs, rhs and result element types
+    weight_gradient: bool = False                        # a backward op producing a weight's gradient
+    zero_skipped: float = 0.0  # share of im2col's products skipped as zeros of an input dilation
 
     @property
     def pass_name(self):
@@ -78,7 +94,20 @@ def _dot_gemm(eqn):
     return math.prod(free_l), math.prod(lhs[i] for i in lc), math.prod(free_r), batch
 
 
+def _taps_on_real_inputs(out_size, in_size, kernel_size, stride, rhs_dilation, lhs_dilation, pad_low):
+    """Over one spatial dimension: the (output position, kernel tap) pairs that read a real input
+    element, not a zero inserted by the input dilation or padding."""
+    dilated_in = (in_size - 1) * lhs_dilation + 1
+    count = 0
+    for o in range(out_size):
+        for t in range(kernel_size):
+            p = o * stride + t * rhs_dilation - pad_low
+            count += 0 <= p < dilated_in and p % lhs_dilation == 0
+    return count
+
+
 def _conv_gemm(eqn):
+    """``(m, k, n, groups, zero_skipped)`` of a convolution, ``k`` counting non-zero taps only."""
     lhs, rhs = (v.aval.shape for v in eqn.invars)
     out = eqn.outvars[0].aval.shape
     dn = eqn.params["dimension_numbers"]
@@ -88,7 +117,19 @@ def _conv_gemm(eqn):
     m = out[dn.out_spec[0]] * out_positions
     k = kernel_positions * rhs[dn.rhs_spec[1]]
     n = rhs[dn.rhs_spec[0]] // groups
-    return m, k, n, groups
+    lhs_dilation = tuple(eqn.params.get("lhs_dilation") or (1,) * len(dn.out_spec[2:]))
+    if any(d > 1 for d in lhs_dilation) and out_positions and kernel_positions:
+        taps = 1.0
+        for dim, (o_i, l_i, r_i) in enumerate(zip(dn.out_spec[2:], dn.lhs_spec[2:], dn.rhs_spec[2:])):
+            pad_low = eqn.params["padding"][dim][0]
+            real = _taps_on_real_inputs(out[o_i], lhs[l_i], rhs[r_i], eqn.params["window_strides"][dim],
+                                        (eqn.params.get("rhs_dilation") or (1,) * len(lhs_dilation))[dim],
+                                        lhs_dilation[dim], pad_low)
+            taps *= real / out[o_i]
+        dense_k = k
+        k = max(1, round(taps)) * rhs[dn.rhs_spec[1]]
+        return m, k, n, groups, 1.0 - k / dense_k
+    return m, k, n, groups, 0.0
 
 
 def mxu_ops(closed_jaxpr, rows=128, cols=128):
@@ -104,7 +145,7 @@ def mxu_ops(closed_jaxpr, rows=128, cols=128):
     for occurrence in found:
         eqn = occurrence.eqn
         kind = "dot" if eqn.primitive is mxu_dot_general_p else "conv"
-        m, k, n, count = (_dot_gemm if kind == "dot" else _conv_gemm)(eqn)
+        m, k, n, count, zero_skipped = _dot_gemm(eqn) + (0.0,) if kind == "dot" else _conv_gemm(eqn)
         if min(m, k, n, count) == 0:
             continue  # an empty product does no work
         precision = eqn.params["mxu_precision"]
@@ -116,8 +157,21 @@ def mxu_ops(closed_jaxpr, rows=128, cols=128):
             lhs_shape=tuple(eqn.invars[0].aval.shape), rhs_shape=tuple(eqn.invars[1].aval.shape),
             out_shape=tuple(eqn.outvars[0].aval.shape),
             in_loop=occurrence.in_loop, in_branch=occurrence.in_branch,
+            dtypes=tuple(str(v.aval.dtype) for v in (eqn.invars[0], eqn.invars[1], eqn.outvars[0])),
+            zero_skipped=zero_skipped,
         ))
-    return ops
+    return _map_weight_gradients(ops)
+
+
+def _map_weight_gradients(ops):
+    """Mark backward ops whose result has a forward op's weight shape, and map them the cheapest way."""
+    weight_shapes = {tuple(sorted(op.rhs_shape)) for op in ops if not op.backward}
+    mapped = []
+    for op in ops:
+        if op.backward and tuple(sorted(op.out_shape)) in weight_shapes:
+            op = dataclasses.replace(op, weight_gradient=True, cost=op.cost.cheapest_dataflow())
+        mapped.append(op)
+    return mapped
 
 
 def trace_mxu_ops(fun, *args, precision="default", rows=128, cols=128, **kwargs):
