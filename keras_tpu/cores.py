@@ -181,8 +181,9 @@ class CoreLayout:
             return jax.vmap(fn, in_axes=in_axes, axis_name=CORE_AXIS)
 
         def each_core(*args):
+            axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
             outputs = [fn(*(a if axis is None else jax.tree.map(lambda x: x[core], a)
-                            for a, axis in zip(args, in_axes)))
+                            for a, axis in zip(args, axes)))
                        for core in range(self.cores_per_device)]
             return jax.tree.map(lambda *parts: jnp.stack(parts), *outputs)
 

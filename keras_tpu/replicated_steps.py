@@ -59,6 +59,7 @@ from keras_tpu._logging import logger
 from keras_tpu.batching import BatchStacker, describe_input_shapes, unstack_outputs
 from keras_tpu.cores import REPLICATED, ROWS, CoreLayout
 from keras_tpu.custom_steps import CustomSteps, custom_step_methods
+from keras_tpu.mxu import kernels
 from keras_tpu.mxu.numerics import canonical_precision
 from keras_tpu.mxu.routing import mxu_rule
 from keras_tpu.vector_unit import vector_unit_rule
@@ -66,14 +67,12 @@ from keras_tpu.vector_unit import vector_unit_rule
 # Golden-ratio stride separating the per-core random streams of a seed generator.
 SEED_STRIDE = 0x9E3779B1
 
-# XLA:CPU options per program. XLA:CPU's YNNPACK convolution kernels are several
-# times slower than its default ones for the weight-gradient convolutions of a
-# training step, and faster for inference (benchmarks/cifar10_speed.py).
-XLA_CPU_OPTIONS = {
-    "train": {"xla_cpu_experimental_ynn_fusion_type": ""},
-    "test": {},
-    "predict": {},
-}
+# XLA:CPU options per program, per host class (keras_tpu.mxu.kernels.compiler_options): on hosts
+# without bf16 dot instructions YNNPACK is off for training (its weight-gradient convolutions are
+# several times slower there) and on for inference; on bf16 hosts YNNPACK runs the dots only, where
+# the native bf16 forms the kernel table chooses are fast (benchmarks/mxu_kernels.py).
+XLA_CPU_OPTIONS = {mode: kernels.compiler_options(mode) for mode in ("train", "test", "predict")}
+
 
 def program_rule(precision, on_mxu=True):
     """The rewrite rule of TPU programs: matrix products on the MXU (unless ``on_mxu`` is False) and the
@@ -281,7 +280,9 @@ class ReplicatedSteps:
             return self.model.stateless_call(trainable, non_trainable, x, **kwargs)[0]
 
         def predict(x):  # one step: every core predicts its rows
-            return layout.merge_cores(layout.map_cores(core_predict, in_axes=0)(layout.split_cores(x)))
+            unrolled = self._cores_unrolled(trainable, non_trainable, x)
+            return layout.merge_cores(layout.map_cores(core_predict, in_axes=0, unrolled=unrolled)(
+                layout.split_cores(x)))
 
         x_steps = tree.map_structure(lambda a: jnp.moveaxis(a, 1, 0),
                                      keras.utils.unpack_x_y_sample_weight(data)[0], none_is_leaf=False)
@@ -295,9 +296,12 @@ class ReplicatedSteps:
 
         Measured here (benchmarks/cifar10_speed.py's CNN, batch 1024, 8 cores):
         XLA:CPU's backward convolutions run about twice as fast at the cores'
-        own batch (128) as on all 1024 rows at once, while dense products,
-        recurrences and attention gain from one large batch. So models whose
-        forward pass has a convolution unroll the cores; others vectorise them.
+        own batch (128) as on all 1024 rows at once, and a convolutional
+        network's forward pass vectorised over the core axis (``jax.vmap``) runs
+        about 4x slower than unrolled (0.90 s against 0.23 s for 1024 images),
+        while dense products, recurrences and attention gain from one large
+        batch. So models whose forward pass has a convolution unroll the cores
+        in every program; others vectorise them.
         """
         if self.unrolled_cores is None:
             kwargs = _keras_private.inference_kwargs(self.model)
@@ -429,7 +433,8 @@ class ReplicatedSteps:
             return unscaled, y_pred
 
         by_core = layout.split_cores
-        unscaled, y_pred = layout.map_cores(core_loss, in_axes=0)(by_core(x), by_core(y), by_core(loss_weight))
+        unscaled, y_pred = layout.map_cores(core_loss, in_axes=0, unrolled=self._cores_unrolled(
+            trainable, non_trainable, x))(by_core(x), by_core(y), by_core(loss_weight))
         mean_loss = layout.device_sum(jnp.sum(unscaled)) / layout.num_cores
         metrics_values = self._update_metrics(metrics_values, mean_loss, real_rows, x, y,
                                               layout.merge_cores(y_pred), mask, metric_weight, loss_weight)

@@ -54,6 +54,14 @@ CONV_CASES = {
                                               dimension_numbers=("NCHW", "OIHW", "NCHW"))),
     "conv1d": ((2, 30, 8), (5, 8, 6), dict(window_strides=(2,), padding="SAME",
                                            dimension_numbers=("NWC", "WIO", "NWC"))),
+    "depthwise_dilated": ((2, 11, 10, 3), (3, 2, 1, 3), dict(window_strides=(1, 2), padding=((1, 2), (0, 1)),
+                                                             rhs_dilation=(2, 1), feature_group_count=3,
+                                                             dimension_numbers=("NHWC", "HWIO", "NHWC"))),
+    "depthwise_multiplier": ((2, 9, 8, 4), (3, 3, 1, 8), dict(window_strides=(2, 2), padding="SAME",
+                                                              feature_group_count=4,
+                                                              dimension_numbers=("NHWC", "HWIO", "NHWC"))),
+    "depthwise_nchw": ((2, 4, 9, 9), (4, 1, 3, 3), dict(window_strides=(1, 1), padding="SAME", feature_group_count=4,
+                                                        dimension_numbers=("NCHW", "OIHW", "NCHW"))),
 }
 
 
@@ -140,7 +148,7 @@ def _grads(op, a, b, c):
     return jax.grad(lambda a, b: jnp.sum(op(a, b) * c), argnums=(0, 1))(a, b)
 
 
-@pytest.mark.parametrize("form", kernels.DOT_FORMS)
+@pytest.mark.parametrize("form", kernels.ALL_FORMS)
 @pytest.mark.parametrize("case", ["forward", "batched", "strided_dilated", "feature_groups", "depthwise"])
 def test_gradients_are_exact_in_every_form(rng, case, form):
     if case in DOT_CASES:
@@ -269,11 +277,11 @@ def test_choice_on_this_host_and_its_overrides(tmp_path, monkeypatch):
     monkeypatch.delenv("KERAS_TPU_MXU_FORM", raising=False)
     monkeypatch.delenv("KERAS_TPU_MXU_KERNEL_TABLE", raising=False)
     assert kernels.host_class() in kernels.BUILTIN_TABLES
-    builtin = kernels.BUILTIN_TABLES[kernels.host_class()]
+    host = kernels.host_class()
     for kind, layouts in (("dot", kernels.DOT_LAYOUTS), ("conv", kernels.CONV_LAYOUTS)):
         for layout in layouts:
-            assert kernels.choose_form(kind, layout, (1, 64, 64, 64)) == builtin.get((kind, layout),
-                                                                                   kernels.ROUND_F32)
+            for gemm in ((1, 64, 64, 64), (1, 1024, 784, 1024), (1, 1024, 1024, 10)):
+                assert kernels.choose_form(kind, layout, gemm) == kernels.builtin_choice(host, kind, layout, gemm)
     # A measured table: the nearest measured shape of the same kind and layout decides.
     table = tmp_path / "table.json"
     table.write_text(json.dumps([
@@ -285,8 +293,8 @@ def test_choice_on_this_host_and_its_overrides(tmp_path, monkeypatch):
     assert kernels.choose_form("dot", "forward", (1, 2048, 1024, 512)) == "bf16"
     assert kernels.choose_form("dot", "forward", (1, 2048, 1024, 16)) == "round_f32"
     assert kernels.choose_form("conv", "weight_grad", (1, 9, 4096, 32)) == "bf16_canonical"
-    assert kernels.choose_form("dot", "lhs_transposed", (1, 64, 64, 64)) == builtin.get(
-        ("dot", "lhs_transposed"), kernels.ROUND_F32)
+    assert kernels.choose_form("dot", "lhs_transposed", (1, 64, 64, 64)) == kernels.builtin_choice(
+        host, "dot", "lhs_transposed", (1, 64, 64, 64))
     # Forcing wins; a dot-only form leaves convolutions to the table.
     monkeypatch.setenv("KERAS_TPU_MXU_FORM", "bf16_swapped")
     assert kernels.choose_form("dot", "forward", (1, 8, 8, 8)) == "bf16_swapped"
@@ -301,6 +309,73 @@ def test_choice_on_this_host_and_its_overrides(tmp_path, monkeypatch):
             pass
 
 
+def test_bf16_host_table_takes_native_forms_only_where_they_were_measured_faster():
+    choice = lambda kind, layout, gemm: kernels.builtin_choice("bf16", kind, layout, gemm)
+    # The MLP's hidden layers: native bf16 in all three layouts of the training step.
+    assert choice("dot", "forward", (1, 1024, 784, 1024)) == kernels.BF16
+    assert choice("dot", "rhs_transposed", (1, 1024, 1024, 784)) == kernels.BF16
+    assert choice("dot", "lhs_transposed", (1, 1024, 1024, 784)) == kernels.BF16_CANONICAL
+    # Narrow outputs (a 10-class head), attention-sized batched dots and weight gradients
+    # contracting over very many rows measured faster as round_f32.
+    assert choice("dot", "forward", (1, 1024, 1024, 10)) == kernels.ROUND_F32
+    assert choice("dot", "lhs_transposed", (1, 10, 1024, 1024)) == kernels.ROUND_F32
+    assert choice("dot", "forward", (1024, 64, 32, 64)) == kernels.ROUND_F32
+    assert choice("dot", "rhs_transposed", (1024, 32, 64, 64)) == kernels.ROUND_F32
+    assert choice("dot", "lhs_transposed", (1, 128, 16384, 512)) == kernels.ROUND_F32
+    assert choice("dot", "both_transposed", (1, 1024, 1024, 1024)) == kernels.ROUND_F32
+    # No native bf16 convolution form was faster than XLA's float32 one.
+    for layout in kernels.CONV_LAYOUTS:
+        assert choice("conv", layout, (1, 131072, 288, 32)) == kernels.ROUND_F32
+    # Hosts without bf16 instructions keep round_f32 everywhere.
+    assert kernels.builtin_choice("no_bf16", "dot", "forward", (1, 1024, 784, 1024)) == kernels.ROUND_F32
+
+
+DEPTHWISE_CASES = ["depthwise", "depthwise_dilated", "depthwise_multiplier", "depthwise_nchw"]
+
+
+@pytest.mark.parametrize("case", DEPTHWISE_CASES)
+def test_taps_form_sums_depthwise_convolutions_without_xla_convolutions(rng, case):
+    lhs_shape, rhs_shape, kwargs = CONV_CASES[case]
+    op = _conv(kwargs)
+    a, b = integers(rng, lhs_shape), integers(rng, rhs_shape)
+    c = integers(rng, jax.eval_shape(op, a, b).shape)
+    with kernels.use_form(kernels.TAPS):
+        forward_text = jax.jit(mxu.route(op)).lower(a, b).as_text()
+        grads_text = jax.jit(mxu.route(lambda a, b: _grads(op, a, b, c))).lower(a, b).as_text()
+    assert "stablehlo.convolution" not in forward_text
+    # Of the gradient program's convolutions only the weight gradient (batch-grouped) stays one,
+    # and with a channel multiplier the input gradient too (several input features per group).
+    assert grads_text.count("stablehlo.convolution") == (2 if case == "depthwise_multiplier" else 1)
+    np.testing.assert_array_equal(np.asarray(routed(op, kernels.TAPS)(a, b)), f64(op, a, b))
+
+
+@pytest.mark.parametrize("precision", ["default", "highest"])
+def test_taps_form_rounds_inputs_to_bfloat16_and_keeps_multipass_precision(rng, precision):
+    lhs_shape, rhs_shape, kwargs = CONV_CASES["depthwise_dilated"]
+    op = _conv(kwargs)
+    a = rng.standard_normal(lhs_shape).astype(np.float32)
+    b = rng.standard_normal(rhs_shape).astype(np.float32)
+    got = np.asarray(routed(op, kernels.TAPS, precision)(a, b), np.float64)
+    fallback = np.asarray(routed(op, kernels.ROUND_F32, precision)(a, b), np.float64)
+    scale = f64(op, np.abs(a), np.abs(b))
+    assert np.all(np.abs(got - fallback) <= 2 * 6 * 2.0**-24 * scale + 1e-30)   # same passes, other sum order
+    if precision == "default":
+        reference = f64(op, bf16(a), bf16(b))
+        _assert_close_to_rounded_reference(got, reference, f64(op, np.abs(bf16(a)), np.abs(bf16(b))), 6)
+        assert np.abs(got - f64(op, a, b)).max() > 100 * np.abs(got - reference).max()
+    else:
+        assert np.abs(got - f64(op, a, b)).max() < 2e-6 * np.abs(f64(op, a, b)).max()
+
+
+def test_bf16_host_table_sums_depthwise_convolutions_over_their_taps():
+    choice = lambda layout, gemm: kernels.builtin_choice("bf16", "conv", layout, gemm)
+    depthwise = (128, 65536, 9, 1)   # 128 groups of one input and one output feature
+    assert choice("forward", depthwise) == kernels.TAPS
+    assert choice("input_grad", depthwise) == kernels.TAPS
+    assert choice("weight_grad", (128, 9, 65536, 1)) == kernels.ROUND_F32   # measured slower summed
+    assert choice("forward", (1, 65536, 288, 32)) == kernels.ROUND_F32      # an ordinary convolution
+
+
 def test_eager_calls_follow_the_forced_form(rng):
     a, b = integers(rng, (8, 16)), integers(rng, (16, 4))
     results = []
@@ -309,3 +384,20 @@ def test_eager_calls_follow_the_forced_form(rng):
             results.append(np.asarray(mxu.matmul(a, b)))
     for r in results:
         np.testing.assert_array_equal(r, a.astype(np.float64) @ b.astype(np.float64))
+
+
+@pytest.mark.parametrize("mode", ["train", "test", "predict"])
+def test_compiler_options_keep_bf16_dots_on_ynnpack_where_the_table_picks_them(mode):
+    options = kernels.compiler_options(mode)
+    x, k = jnp.ones((2, 8, 8, 4)), jnp.ones((3, 3, 4, 4))
+    conv = lambda x, k: lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    a = jnp.ones((64, 64), jnp.bfloat16)
+    dot = lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    conv_text = jax.jit(conv, compiler_options=options or None).lower(x, k).compile().as_text()
+    dot_text = jax.jit(dot, compiler_options=options or None).lower(a, a).compile().as_text()
+    bf16_host = kernels.host_class() == "bf16"
+    # Training programs never run convolutions in YNNPACK; on bf16 hosts no program does.
+    assert ("__ynn" in conv_text) == (not bf16_host and mode != "train")
+    # The native forms the "bf16" table picks are only fast as YNNPACK dots.
+    if bf16_host:
+        assert "__ynn" in dot_text
