@@ -19,10 +19,6 @@ Models (issue #13), each on random data of its input shape:
 Configurations, each model in a fresh process (``benchmarks/_child.py``):
 
 * ``keras_tpu``: ``keras_to_tpu_model`` (simulated v2-8, 8 cores, default bf16 MXU numerics);
-* ``keras_tpu_ynn_dot``: the same, its programs compiled with
-  ``keras_tpu.mxu.kernels.compiler_options(mode)`` instead of
-  ``replicated_steps.XLA_CPU_OPTIONS`` (on a bf16 host YNNPACK for dots only, in every
-  program: what the built-in kernel table was measured with; a proposal);
 * ``keras``: plain Keras 3 on JAX (default XLA:CPU options);
 * ``keras_dp``: plain Keras with ``keras.distribution.DataParallel`` over 8 virtual CPU devices;
 * ``keras_bf16``: plain Keras with the ``mixed_bfloat16`` dtype policy.
@@ -52,7 +48,6 @@ from _child import run_child
 
 CONFIGS = {
     "keras_tpu": "keras-tpu (keras_to_tpu_model, 8 simulated cores, bf16 MXU)",
-    "keras_tpu_ynn_dot": "keras-tpu, programs compiled with kernels.compiler_options() (proposed)",
     "keras": "plain Keras 3 on JAX",
     "keras_dp": "plain Keras, DataParallel over 8 virtual CPU devices",
     "keras_bf16": "plain Keras, mixed_bfloat16 policy",
@@ -177,12 +172,6 @@ def measure(config, name, train_steps, eval_batches):
     os.environ["KERAS_BACKEND"] = "jax"
     if config.startswith("keras_tpu"):
         import keras_tpu
-    if config == "keras_tpu_ynn_dot":
-        from keras_tpu import replicated_steps
-        from keras_tpu.mxu import kernels
-
-        for mode in replicated_steps.XLA_CPU_OPTIONS:
-            replicated_steps.XLA_CPU_OPTIONS[mode] = kernels.compiler_options(mode)
     import keras
 
     batch = MODELS[name][0]
