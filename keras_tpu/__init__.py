@@ -19,7 +19,7 @@ from keras_tpu import mxu  # noqa: E402
 from keras_tpu._logging import set_verbosity  # noqa: E402
 from keras_tpu.cluster import (ACCELERATOR_TYPES, AcceleratorSpec, ClusterSpec, Topology,  # noqa: E402
                                TPUClusterResolver, experimental_connect_to_cluster,
-                               initialize_tpu_system)
+                               initialize_tpu_system, shutdown_tpu_system)
 from keras_tpu.cores import CoreLayout  # noqa: E402
 from keras_tpu import datasets  # noqa: E402
 from keras_tpu.tpu_model import KerasTPUModel, TPUDistributionStrategy, keras_to_tpu_model  # noqa: E402
@@ -38,6 +38,6 @@ __all__ = [
     "ACCELERATOR_TYPES", "AcceleratorSpec", "ClusterSpec", "CoreLayout", "DeviceAssignment", "InputContext",
     "KerasTPUModel", "PerReplica", "ReduceOp", "ValueContext",
     "TPUClusterResolver", "TPUDistributionStrategy", "TPUStrategy", "Topology", "datasets", "estimator",
-    "experimental_connect_to_cluster", "initialize_tpu_system", "keras_to_tpu_model", "mxu", "set_verbosity",
+    "experimental_connect_to_cluster", "initialize_tpu_system", "shutdown_tpu_system", "keras_to_tpu_model", "mxu", "set_verbosity",
     "TPUProfile", "callbacks", "profile", "load_exported", "WorkerLostError", "ResourceExhaustedError",
 ]

@@ -13,6 +13,7 @@ import os
 import re
 
 from keras_tpu import host, validation
+from keras_tpu import _process
 from keras_tpu._logging import logger
 
 
@@ -390,12 +391,6 @@ class Topology:
         ])
 
 
-_topology = None
-# (topology id, address, job) whose "Found TPU system" block was logged -> that topology (kept alive,
-# so that its id is not reused)
-_announced = {}
-
-
 def experimental_connect_to_cluster(cluster_spec_or_resolver, job_name="localhost", task_index=0, protocol=None,
                                     make_master_device_default=True, cluster_device_filters=None):
     """``tf.config.experimental_connect_to_cluster``: accepted and logged; the other arguments have no
@@ -421,7 +416,6 @@ def initialize_tpu_system(cluster_resolver=None):
         >>> topology.num_cores
         8
     """
-    global _topology
     from keras_tpu.cores import CoreLayout
 
     resolver = cluster_resolver
@@ -437,18 +431,19 @@ def initialize_tpu_system(cluster_resolver=None):
     if pod.is_multi_worker():  # this process belongs to a pod: the pod is the TPU
         workers, cores_per_worker = pod.num_workers(), host.cores_per_worker()
     where = resolver.master() or "local"
-    if _topology is not None and _topology.accelerator_type == resolver.accelerator_type \
-            and _topology.num_workers == workers:
-        topology = _topology
+    started = _process.STATE.topology
+    if started is not None and started.accelerator_type == resolver.accelerator_type \
+            and started.num_workers == workers:
+        topology = started
     else:
         layout = CoreLayout(cores_per_worker * workers)
         topology = Topology(resolver.accelerator_type, resolver.spec, workers, cores_per_worker, layout)
-        _topology = topology
+        _process.STATE.topology = topology
     announced = (id(topology), where, resolver.job_name)
-    if announced in _announced:  # TPUStrategy and the estimator call this again for the same system
+    if announced in _process.STATE.announced:  # TPUStrategy and the estimator call this again for one system
         logger.debug("The TPU system %s is already initialized.", where)
         return topology
-    _announced[announced] = topology
+    _process.STATE.announced[announced] = topology
     logger.info("Initializing the TPU system: %s (simulated in this process).", where)
     logger.info("Found TPU system:")
     logger.info("*** Num TPU Cores: %d", topology.num_cores)
@@ -460,6 +455,18 @@ def initialize_tpu_system(cluster_resolver=None):
     return topology
 
 
-def current_topology():
-    """The topology of the initialized TPU system, initializing the local v2-8 if needed."""
-    return _topology if _topology is not None else initialize_tpu_system(TPUClusterResolver())
+def shutdown_tpu_system(cluster_resolver=None):
+    """``tf.tpu.experimental.shutdown_tpu_system``: forget the started TPU system.
+
+    The next :func:`initialize_tpu_system` starts it again, with its log lines.
+    Models already on the TPU keep running on their cores. (A pod that this
+    process joined stays joined: JAX's multi-process runtime cannot be left.)
+
+    Example:
+        >>> shutdown_tpu_system()
+        >>> initialize_tpu_system(TPUClusterResolver()).num_cores
+        8
+    """
+    if cluster_resolver is not None and not isinstance(cluster_resolver, TPUClusterResolver):
+        raise TypeError(f"shutdown_tpu_system expects a TPUClusterResolver; got {type(cluster_resolver).__name__}.")
+    _process.reset_tpu_system()

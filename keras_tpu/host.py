@@ -13,6 +13,7 @@ import os
 import re
 import sys
 
+from keras_tpu import _process
 from keras_tpu._logging import logger
 
 #: Cores per worker (one host of a TPU board); a pod test may use fewer.
@@ -74,9 +75,6 @@ def _request_virtual_devices(count):
     return True
 
 
-_devices_requested = None
-
-
 def prepare_host():
     """Make Keras use JAX and give JAX one virtual CPU device per simulated core.
 
@@ -86,15 +84,15 @@ def prepare_host():
         >>> from keras_tpu import host
         >>> host.prepare_host()
     """
-    global _devices_requested
     _require_keras_on_jax()
-    if _devices_requested is None:
-        _devices_requested = _request_virtual_devices(cores_per_worker())
-        if not _devices_requested:
+    if _process.STATE.devices_requested is None:
+        _process.STATE.devices_requested = _request_virtual_devices(cores_per_worker())
+        if not _process.STATE.devices_requested:
             logger.debug("JAX was already running when keras_tpu was imported.")
         from keras_tpu import pod
 
         workers, task_index = pod.workers_from_environment()
+        pod.heartbeat_timeout_s()  # read again when a pod is joined; a malformed value is reported now
         if len(workers) > 1:
             pod.start(workers, task_index)
 

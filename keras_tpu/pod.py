@@ -12,7 +12,7 @@ the pod starts they seed NumPy's and Python's global random generators (which
 Keras' data adapters use) with the first worker's seed.
 
 If a worker dies, the others notice within the heartbeat timeout
-(:data:`HEARTBEAT_TIMEOUT_S`) or as soon as a collective fails, and stop with
+(:func:`heartbeat_timeout_s`) or as soon as a collective fails, and stop with
 an error; restarting all workers resumes from the last checkpoint.
 """
 
@@ -23,12 +23,14 @@ import zlib
 import jax
 import numpy as np
 
-from keras_tpu import validation
+from keras_tpu import _process, validation
 from keras_tpu._logging import logger
 
-#: Seconds without a heartbeat after which the coordinator declares a worker dead.
-HEARTBEAT_TIMEOUT_S = validation.check_environment_integer(
-    "KERAS_TPU_HEARTBEAT_TIMEOUT", os.environ.get("KERAS_TPU_HEARTBEAT_TIMEOUT", "10"))
+def heartbeat_timeout_s():
+    """Seconds without a heartbeat after which the coordinator declares a worker dead
+    (``KERAS_TPU_HEARTBEAT_TIMEOUT``, 10 by default; read when the pod is joined)."""
+    return validation.check_environment_integer(
+        "KERAS_TPU_HEARTBEAT_TIMEOUT", os.environ.get("KERAS_TPU_HEARTBEAT_TIMEOUT", "10"))
 
 
 class WorkerLostError(RuntimeError):
@@ -46,20 +48,17 @@ def workers_from_environment():
     return workers, task_index
 
 
-_started = None
-
-
 def start(workers, task_index):
     """Join the pod: start (or connect to) JAX's multi-process runtime. Safe to call again.
 
     Must run before JAX starts its backend (importing keras_tpu with
     ``KERAS_TPU_WORKERS`` set does it then).
     """
-    global _started
     key = (tuple(workers), int(task_index))
-    if _started is not None:
-        if _started != key:
-            raise RuntimeError(f"This process already joined the pod {list(_started[0])} as task {_started[1]} "
+    joined = _process.STATE.pod
+    if joined is not None:
+        if joined != key:
+            raise RuntimeError(f"This process already joined the pod {list(joined[0])} as task {joined[1]} "
                                f"(from KERAS_TPU_WORKERS/KERAS_TPU_TASK_INDEX or an earlier resolver); it cannot "
                                f"join {list(workers)} as task {task_index}. Give the resolver the same workers and "
                                f"task index, or TPUClusterResolver() with none to use the environment's.")
@@ -71,7 +70,7 @@ def start(workers, task_index):
     try:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address=workers[0], num_processes=len(workers),
-                                   process_id=int(task_index), heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+                                   process_id=int(task_index), heartbeat_timeout_seconds=heartbeat_timeout_s(),
                                    initialization_timeout=120)
     except RuntimeError as error:
         if "before" in str(error) or "already" in str(error):
@@ -80,7 +79,7 @@ def start(workers, task_index):
                 "before `import keras_tpu`, or call keras_tpu.initialize_tpu_system(resolver) before building "
                 "any model or JAX array.") from error
         raise
-    _started = key
+    _process.STATE.pod = key
     _check_workers_agree(workers, task_index)
     _agree_on_host_seed()
     logger.info("Joined the TPU pod as worker %d of %d (coordinator %s).", task_index, len(workers), workers[0])

@@ -3,6 +3,7 @@ import logging
 import pytest
 
 import keras_tpu
+from keras_tpu import _process
 from keras_tpu.cluster import ACCELERATOR_TYPES, accelerator_spec
 
 
@@ -81,7 +82,7 @@ def keras_tpu_log(caplog, fn, level=logging.INFO):
 def test_initialize_logs_the_tensorflow_lines(caplog, monkeypatch):
     from keras_tpu import cluster
 
-    monkeypatch.setattr(cluster, "_announced", {})  # as in a fresh process
+    monkeypatch.setattr(_process.STATE, "announced", {})  # as in a fresh process
     text, topology = keras_tpu_log(
         caplog, lambda: keras_tpu.initialize_tpu_system(keras_tpu.TPUClusterResolver("grpc://10.0.0.2:8470")))
     assert "Found TPU system:" in text
@@ -132,7 +133,7 @@ def test_pod_workers_from_arguments_and_environment(monkeypatch):
 def test_the_found_tpu_system_block_is_logged_once_per_system(caplog, monkeypatch):
     from keras_tpu import cluster
 
-    monkeypatch.setattr(cluster, "_announced", {})
+    monkeypatch.setattr(_process.STATE, "announced", {})
     resolver = keras_tpu.TPUClusterResolver("grpc://10.0.0.9:8470")
 
     def notebook():  # the usual TF 2 cell: initialize, then the strategy (which initializes again)
@@ -150,3 +151,14 @@ def test_the_found_tpu_system_block_is_logged_once_per_system(caplog, monkeypatc
     # Another TPU (address) is announced once too.
     other, _ = keras_tpu_log(caplog, lambda: keras_tpu.initialize_tpu_system(keras_tpu.TPUClusterResolver("local")))
     assert other.count("Found TPU system:") == 1
+
+
+def test_shutdown_tpu_system_forgets_the_system_and_the_next_start_logs_it_again(caplog):
+    first = keras_tpu.initialize_tpu_system(keras_tpu.TPUClusterResolver())
+    keras_tpu.shutdown_tpu_system()
+    assert _process.STATE.topology is None
+    with caplog.at_level(logging.INFO, logger="keras_tpu"):
+        again = keras_tpu.initialize_tpu_system(keras_tpu.TPUClusterResolver())
+    assert "Found TPU system" in caplog.text and again is not first and again.num_cores == 8
+    with pytest.raises(TypeError, match="TPUClusterResolver"):
+        keras_tpu.shutdown_tpu_system("grpc://10.0.0.2:8470")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import keras_tpu
-from keras_tpu import pod, validation, weights
+from keras_tpu import _process, pod, validation, weights
 from tests.conftest import REPO, run_python
 
 README = os.path.join(REPO, "README.md")
@@ -225,7 +225,7 @@ MISTAKES = {
 def with_fixtures(mistake, tmp_path, monkeypatch, caplog):
     """The rows that need pytest's fixtures."""
     if mistake == "a resolver naming another pod than the one this process joined":
-        monkeypatch.setattr(pod, "_started", (("10.0.0.2:8476", "10.0.0.3:8476"), 0))
+        monkeypatch.setattr(_process.STATE, "pod", (("10.0.0.2:8476", "10.0.0.3:8476"), 0))
         return lambda: keras_tpu.initialize_tpu_system(keras_tpu.TPUClusterResolver(["10.0.0.2:8476", "10.0.0.4:8476"]))
     if mistake == "pod workers given different worker lists":
         return lambda: pod_of_two(tmp_path, {"KERAS_TPU_WORKERS": "{first},{third}"})
