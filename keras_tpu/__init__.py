@@ -27,7 +27,7 @@ from keras_tpu.strategy import (DeviceAssignment, InputContext, PerReplica, Redu
                                 ValueContext)
 from keras_tpu import estimator  # noqa: E402
 from keras_tpu import callbacks  # noqa: E402
-from keras_tpu.profile import TPUProfile, profile  # noqa: E402
+from keras_tpu.profiling import TPUProfile, profile  # noqa: E402
 from keras_tpu.export import load_exported  # noqa: E402
 from keras_tpu.pod import WorkerLostError  # noqa: E402
 from keras_tpu.hbm import ResourceExhaustedError  # noqa: E402

@@ -4,7 +4,7 @@ import time
 
 import keras
 
-from keras_tpu.profile import profile
+from keras_tpu.profiling import profile
 
 
 class PredictedTPUTime(keras.callbacks.Callback):

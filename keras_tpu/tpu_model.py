@@ -32,7 +32,7 @@ from keras import tree
 from keras_tpu import _keras_private, pod, weights
 from keras_tpu._logging import logger
 from keras_tpu.placement import Placement, installed_on
-from keras_tpu.profile import profile as _profile
+from keras_tpu.profiling import profile as _profile
 from keras_tpu.custom_steps import custom_step_methods
 
 
