@@ -54,6 +54,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 import keras  # noqa: E402
 
 import keras_tpu  # noqa: E402
+from keras_tpu.examples.cifar10 import create_model  # noqa: E402
 
 V3_OVER_V2_MEASURED = 1.66  # MLPerf ResNet-50 training, v3-8 over v2-8 (issue #11)
 
@@ -62,28 +63,8 @@ V3_OVER_V2_MEASURED = 1.66  # MLPerf ResNet-50 training, v3-8 over v2-8 (issue #
 
 
 def cifar10_notebook_cnn():
-    """The classic notebook's CNN (notebooks/cifar10_tpu.ipynb), Adam, sparse labels."""
-    from keras.layers import BatchNormalization, Conv2D, Dense, Dropout, Flatten, Input, MaxPooling2D
-
-    inp = Input(shape=(32, 32, 3), name="Input")
-    x = BatchNormalization()(inp)
-    x = Conv2D(32, (3, 3), padding="same", activation="relu")(x)
-    x = Conv2D(32, (3, 3), activation="relu", padding="same")(x)
-    x = MaxPooling2D(pool_size=(2, 2))(x)
-    x = Dropout(0.25)(x)
-    x = BatchNormalization()(x)
-    x = Conv2D(64, (3, 3), padding="same", activation="relu")(x)
-    x = Conv2D(64, (3, 3), activation="relu")(x)
-    x = MaxPooling2D(pool_size=(2, 2))(x)
-    x = Dropout(0.25)(x)
-    x = Flatten()(x)
-    x = Dense(512, activation="relu")(x)
-    x = Dropout(0.5)(x)
-    out = Dense(10, activation="softmax")(x)
-    model = keras.Model(inputs=[inp], outputs=[out], name="cifar10_cnn")
-    model.compile(optimizer=keras.optimizers.Adam(0.001), loss="sparse_categorical_crossentropy",
-                  metrics=["sparse_categorical_accuracy"])
-    return model
+    """The classic notebook's CNN (notebooks/cifar10_tpu.ipynb), Adam, sparse labels: the README's demo model."""
+    return create_model()
 
 
 def mnist_tpuestimator_cnn():

@@ -76,47 +76,44 @@ def _optimizers_of(model):
 
 
 @contextlib.contextmanager
-def _gradients_averaged_over_cores(model):
-    """While tracing a core's step: each optimizer's ``stateless_apply`` gets the cores' mean gradients."""
+def _shadowed(objects, method, wrap):
+    """While active, each object's ``method`` is ``wrap(obj, original)`` (an instance attribute shadows the
+    class's method, so only these objects change)."""
     patched = []
-    for optimizer in _optimizers_of(model):
-        original = optimizer.stateless_apply
-
-        def apply(optimizer_variables, grads, trainable_variables, _original=original):
-            grads = jax.tree.map(lambda g: None if g is None else lax.pmean(g, CORE_AXIS), grads,
-                                 is_leaf=lambda g: g is None)
-            return _original(optimizer_variables, grads, trainable_variables)
-
-        optimizer.__dict__["stateless_apply"] = apply  # an instance attribute shadows the method
-        patched.append(optimizer)
+    for obj in objects:
+        obj.__dict__[method] = wrap(obj, getattr(obj, method))
+        patched.append(obj)
     try:
         yield
     finally:
-        for optimizer in patched:
-            optimizer.__dict__.pop("stateless_apply", None)
+        for obj in patched:
+            obj.__dict__.pop(method, None)
 
 
-@contextlib.contextmanager
+def _gradients_averaged_over_cores(model):
+    """While tracing a core's step: each optimizer's ``stateless_apply`` gets the cores' mean gradients."""
+    def wrap(optimizer, original):
+        def apply(optimizer_variables, grads, trainable_variables):
+            grads = jax.tree.map(lambda g: None if g is None else lax.pmean(g, CORE_AXIS), grads,
+                                 is_leaf=lambda g: g is None)
+            return original(optimizer_variables, grads, trainable_variables)
+        return apply
+
+    return _shadowed(_optimizers_of(model), "stateless_apply", wrap)
+
+
 def _metric_results_recorded(model, recorded):
     """While tracing a core's step: note each value a metric's ``stateless_result`` returns, so that a log
     holding it under another key (keras.io's VAE logs its ``total_loss`` tracker as ``"loss"``) is combined
     across cores as that metric."""
-    patched = []
-    for metric in model.metrics:
-        original = metric.stateless_result
-
-        def result(metric_variables, _original=original, _name=metric.name):
-            value = _original(metric_variables)
-            recorded.append((value, _name))
+    def wrap(metric, original):
+        def result(metric_variables):
+            value = original(metric_variables)
+            recorded.append((value, metric.name))
             return value
+        return result
 
-        metric.__dict__["stateless_result"] = result  # an instance attribute shadows the method
-        patched.append(metric)
-    try:
-        yield
-    finally:
-        for metric in patched:
-            metric.__dict__.pop("stateless_result", None)
+    return _shadowed(model.metrics, "stateless_result", wrap)
 
 
 def _rows(data):
