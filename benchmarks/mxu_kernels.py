@@ -1,6 +1,6 @@
 """Speed of the ways one bfloat16 MXU pass can be emitted for XLA:CPU, and of an MLP train step.
 
-The forms (see :mod:`keras_tpu.mxu.kernels`): ``round_f32`` (bf16-valued
+The forms (see :mod:`keras_tpu.mxu._kernels`): ``round_f32`` (bf16-valued
 float32 operands, float32 op at HIGHEST), ``bf16`` (bf16 operands,
 ``preferred_element_type=float32``), ``bf16_canonical`` (bf16 operands
 transposed into the forward layout first) and, for dots, ``bf16_swapped``
@@ -55,8 +55,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
-from keras_tpu import mxu, rewrite  # noqa: E402
-from keras_tpu.mxu import kernels  # noqa: E402
+from keras_tpu import mxu, _rewrite as rewrite  # noqa: E402
+from keras_tpu.mxu import _kernels as kernels  # noqa: E402
 
 # XLA:CPU option sets: its defaults (YNNPACK dots and convolutions; keras-tpu's test and
 # predict programs), YNNPACK fusions off (keras-tpu's train programs) and YNNPACK for dots only.

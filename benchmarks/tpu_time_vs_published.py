@@ -1,7 +1,7 @@
 """Predicted TPU step times against published measurements of real Cloud TPUs.
 
 Each workload is rebuilt in Keras 3 as its source describes it, profiled with
-``keras_tpu.profile`` (the whole-step model of :mod:`keras_tpu.step_time`) on the
+``keras_tpu.profile`` (the whole-step model of :mod:`keras_tpu._step_time`) on the
 accelerator type, batch and deployment of the measurement, and compared with
 the published step time. One model and one set of constants explain them all:
 nothing here is fitted per workload.
@@ -160,13 +160,13 @@ WORKLOADS = {
         build=mnist_tpuestimator_cnn, accelerator="v2-8", batch=256, step="train",
         deployment="remote_host_input", steps_per_call=234, input_dtype="float32",
         measured_s=1 / 981.384,
-        calibrates="keras_tpu.step_time.HOST_INFEED_PER_CORE_S",
+        calibrates="keras_tpu._step_time.HOST_INFEED_PER_CORE_S",
         source="tensorflow/tpu tools/colab/mnist_tpuestimator.ipynb: global_step/sec 981.384"),
     "mnist_keras_tpustrategy": dict(
         build=mnist_keras_cnn, accelerator="v2-8", batch=512, step="train",
         deployment="remote_host_input", steps_per_call=1, input_dtype="float32",
         measured_s=0.011,
-        calibrates="keras_tpu.step_time.REMOTE_CALL_S",
+        calibrates="keras_tpu._step_time.REMOTE_CALL_S",
         source="tensorflow/tpu tools/colab/keras_mnist_tpu.ipynb (TF 2.2): 117/117 - 1s 11ms/step"),
     "resnet50_train_v2": dict(
         build=resnet50_v15, accelerator="v2-8", batch=1024, step="train",

@@ -11,26 +11,27 @@ Example:
     8
 """
 
-from keras_tpu import host as _host
+from keras_tpu import _host
 
 _host.prepare_host()  # before anything imports jax's backend or keras
 
 from keras_tpu import mxu  # noqa: E402
 from keras_tpu._logging import set_verbosity  # noqa: E402
-from keras_tpu.cluster import (ACCELERATOR_TYPES, AcceleratorSpec, ClusterSpec, Topology,  # noqa: E402
+from keras_tpu._accelerators import ACCELERATOR_TYPES, AcceleratorSpec  # noqa: E402
+from keras_tpu._cluster import (ClusterSpec, Topology,  # noqa: E402
                                TPUClusterResolver, experimental_connect_to_cluster,
                                initialize_tpu_system, shutdown_tpu_system)
-from keras_tpu.cores import CoreLayout  # noqa: E402
+from keras_tpu._cores import CoreLayout  # noqa: E402
 from keras_tpu import datasets  # noqa: E402
-from keras_tpu.tpu_model import KerasTPUModel, TPUDistributionStrategy, keras_to_tpu_model  # noqa: E402
-from keras_tpu.strategy import (DeviceAssignment, InputContext, PerReplica, ReduceOp, TPUStrategy,  # noqa: E402
+from keras_tpu._tpu_model import KerasTPUModel, TPUDistributionStrategy, keras_to_tpu_model  # noqa: E402
+from keras_tpu._strategy import (DeviceAssignment, InputContext, PerReplica, ReduceOp, TPUStrategy,  # noqa: E402
                                 ValueContext)
 from keras_tpu import estimator  # noqa: E402
 from keras_tpu import callbacks  # noqa: E402
-from keras_tpu.profiling import TPUProfile, profile  # noqa: E402
-from keras_tpu.export import load_exported  # noqa: E402
-from keras_tpu.pod import WorkerLostError  # noqa: E402
-from keras_tpu.hbm import ResourceExhaustedError  # noqa: E402
+from keras_tpu._profiling import TPUProfile, profile  # noqa: E402
+from keras_tpu._export import load_exported  # noqa: E402
+from keras_tpu._pod import WorkerLostError  # noqa: E402
+from keras_tpu._hbm import ResourceExhaustedError  # noqa: E402
 
 __version__ = "0.1.0"
 

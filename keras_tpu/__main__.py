@@ -31,8 +31,8 @@ def profile_command(argv):
 
     import keras
 
-    from keras_tpu import step_time
-    from keras_tpu.profiling import profile
+    from keras_tpu import _step_time as step_time
+    from keras_tpu._profiling import profile
 
     parser = argparse.ArgumentParser(prog="python -m keras_tpu profile",
                                      description="Print the TPU profile (MXU ops, cycles, utilisation, the whole step's time by part) of a "

@@ -20,8 +20,8 @@ A process killed with SIGKILL (or a power cut) cannot remove its temporary:
 it stays behind, hidden by its leading dot, until a later successful save in
 the same directory on the same host removes it (its process being gone).
 
-In a TPU pod (several worker processes, see :mod:`keras_tpu.pod`) only the
-chief writes; every worker then waits at :func:`keras_tpu.pod.barrier`, so no
+In a TPU pod (several worker processes, see :mod:`keras_tpu._pod`) only the
+chief writes; every worker then waits at :func:`keras_tpu._pod.barrier`, so no
 worker reads a file the chief is still writing, and a failed write raises on
 every worker. Callers that already run on the chief alone pass
 ``pod_sync=False`` (so do callers writing per-host files such as caches).
@@ -101,7 +101,7 @@ def on_chief(name, fn, failure_message=None):
     ``failure_message``) on the other workers, after the barrier. On one
     process this is just ``fn()``.
     """
-    from keras_tpu import pod
+    from keras_tpu import _pod as pod
 
     if not pod.is_multi_worker():
         return fn()

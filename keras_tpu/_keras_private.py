@@ -31,7 +31,7 @@
 * ``deferred_variables_kept``: variables created in a
   ``StatelessScope(initialize_variables=False)`` join Keras' global list of
   deferred variables (``global_state``), which the next ``StatelessScope``
-  initialises; :func:`keras_tpu.hbm.abstract_weights` builds models that must
+  initialises; :func:`keras_tpu._hbm.abstract_weights` builds models that must
   stay without values, so it restores the list.
 * ``initialize_deferred_variables``: Keras initialises the variables created
   in a ``StatelessScope`` when the scope closes; ``TPUStrategy.run`` traces a
@@ -41,10 +41,16 @@
   created and compiled under it. Keras has no public hook for model
   creation; every model (functional, Sequential, subclassed) runs
   ``Trainer.__init__``.
+* ``optimizers_apply``: a step written by the user (a custom ``train_step``,
+  ``strategy.run``'s replica function) applies gradients itself; on a TPU its
+  optimizer applies the cores' all-reduced gradients. Keras has no hook
+  between an optimizer and its gradients; every path reaches
+  ``Optimizer.apply`` (a public method, wrapped here with the other hooks).
 """
 
 import contextlib
 import functools
+import threading
 
 import keras
 from keras import StatelessScope
@@ -143,25 +149,77 @@ def metrics_result(model, metrics_values):
         return model.get_metrics_result()
 
 
+# Keras has no hooks for "a model was created", "a model was compiled" or "an optimizer applies gradients",
+# so three methods of Keras' classes are wrapped, once per process, by dispatchers that call the handlers the
+# *current thread* registered (none: the original method alone). Handlers are per thread, so a strategy scope
+# or a core's trace in one thread never touches another thread's models, and nothing is ever unpatched (a
+# thread leaving its context cannot undo another's).
+_thread_hooks = threading.local()
+_hooks_lock = threading.Lock()
+_hooks_installed = False
+
+
+def _handlers(kind):
+    return getattr(_thread_hooks, kind, ())
+
+
+def _install_hooks():
+    global _hooks_installed
+    with _hooks_lock:
+        if _hooks_installed:
+            return
+        original_init, original_compile = Trainer.__init__, keras.Model.compile
+        original_apply = keras.optimizers.Optimizer.apply
+
+        @functools.wraps(original_init)
+        def init(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            for on_created in _handlers("created"):
+                on_created(self)
+
+        @functools.wraps(original_compile)
+        def compile(self, *args, **kwargs):
+            original_compile(self, *args, **kwargs)
+            for on_compiled in _handlers("compiled"):
+                on_compiled(self)
+
+        @functools.wraps(original_apply)
+        def apply(self, grads, trainable_variables=None):
+            for transform in _handlers("gradients"):
+                grads = transform(grads)
+            return original_apply(self, grads, trainable_variables)
+
+        Trainer.__init__, keras.Model.compile, keras.optimizers.Optimizer.apply = init, compile, apply
+        _hooks_installed = True
+
+
 @contextlib.contextmanager
-def watch_models(on_created, on_compiled):
-    """While active, call ``on_created(model)`` after every Keras model is constructed and
-    ``on_compiled(model)`` after every ``model.compile``."""
-    original_init, original_compile = Trainer.__init__, keras.Model.compile
-
-    def init(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        on_created(self)
-
-    def compile(self, *args, **kwargs):
-        original_compile(self, *args, **kwargs)
-        on_compiled(self)
-
-    Trainer.__init__, keras.Model.compile = init, compile
+def _thread_handler(kind, handler):
+    _install_hooks()
+    previous = _handlers(kind)
+    setattr(_thread_hooks, kind, previous + (handler,))
     try:
         yield
     finally:
-        Trainer.__init__, keras.Model.compile = original_init, original_compile
+        setattr(_thread_hooks, kind, previous)
+
+
+@contextlib.contextmanager
+def watch_models(on_created, on_compiled):
+    """While active in this thread, call ``on_created(model)`` after every Keras model this thread
+    constructs and ``on_compiled(model)`` after every ``model.compile`` it runs."""
+    with _thread_handler("created", on_created), _thread_handler("compiled", on_compiled):
+        yield
+
+
+@contextlib.contextmanager
+def optimizers_apply(transform):
+    """While active in this thread, every Keras optimizer applies ``transform(grads)`` instead of
+    ``grads``. ``Optimizer.apply`` is where ``apply_gradients``, ``stateless_apply`` (Keras' JAX
+    ``train_step``) and a wrapping ``LossScaleOptimizer`` all arrive; nested optimizers apply ``transform``
+    once each, so it must be idempotent (the cores' mean is)."""
+    with _thread_handler("gradients", transform):
+        yield
 
 
 def inference_kwargs(model):

@@ -3,12 +3,12 @@
 Like Keras' ``global_state``, keras_tpu has a little process-wide state: the
 TPU system this process started (and whether its "Found TPU system" block was
 logged), the pod it joined, and whether JAX was given its virtual devices.
-Each is set by the module that performs that step (:mod:`keras_tpu.cluster`,
-:mod:`keras_tpu.pod`, :mod:`keras_tpu.host`) and kept here, nowhere else.
+Each is set by the module that performs that step (:mod:`keras_tpu._cluster`,
+:mod:`keras_tpu._pod`, :mod:`keras_tpu._host`) and kept here, nowhere else.
 :func:`reset_tpu_system` forgets the TPU system, as ``keras.backend.clear_session``
 forgets Keras' state (``keras_tpu.shutdown_tpu_system`` calls it); a pod and JAX's
 devices cannot be undone in a running process and stay. (The active
-``TPUStrategy`` scope is per thread, in :mod:`keras_tpu.strategy`.)
+``TPUStrategy`` scope is per thread, in :mod:`keras_tpu._strategy`.)
 """
 
 import dataclasses

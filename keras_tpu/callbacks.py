@@ -4,7 +4,7 @@ import time
 
 import keras
 
-from keras_tpu.profiling import profile
+from keras_tpu._profiling import profile
 
 
 class PredictedTPUTime(keras.callbacks.Callback):
@@ -18,7 +18,7 @@ class PredictedTPUTime(keras.callbacks.Callback):
     Args:
         accelerator_type: the TPU to predict for (default: the model's).
         deployment: where input and loop run (default: the front end's; see
-            :data:`keras_tpu.step_time.DEPLOYMENTS`).
+            :data:`keras_tpu._step_time.DEPLOYMENTS`).
         print_fn: where the line goes.
 
     Example:

@@ -19,7 +19,7 @@
 ``model_fn(features, labels, mode, params)`` builds the model with Keras
 layers and ``keras.ops`` on symbolic inputs; the estimator turns that graph
 into a Keras model and runs it with the same replicated TPU programs as
-:func:`keras_tpu.keras_to_tpu_model` (:mod:`keras_tpu.replicated_steps`).
+:func:`keras_tpu.keras_to_tpu_model` (:mod:`keras_tpu._replicated_steps`).
 Each call of ``model_fn`` creates new layers, as TensorFlow 1 rebuilt its
 graph per mode; the modes share weights through the checkpoints in
 ``model_dir``, matched in the order the layers create them.
@@ -47,7 +47,7 @@ the mean of per-example losses over the real examples, exact with a padded
 last batch for losses that average over the batch; ``metric_fn`` is called
 once, on the concatenated metric tensors of all real evaluation examples.
 
-Checkpoints are ``model_dir/ckpt-<step>.npz`` files (:mod:`keras_tpu.checkpoints`);
+Checkpoints are ``model_dir/ckpt-<step>.npz`` files (:mod:`keras_tpu._checkpoints`);
 :meth:`TPUEstimator.latest_checkpoint` returns the newest one's path, and
 :meth:`TPUEstimator.get_variable_names` lists its variables by path, named as
 TensorFlow names them in a fresh graph (``dense/kernel``, ``dense_1/bias``,
@@ -86,10 +86,10 @@ import keras
 import numpy as np
 from keras import tree
 
-from keras_tpu import checkpoints
+from keras_tpu import _checkpoints as checkpoints
 from keras_tpu._logging import logger
-from keras_tpu.cluster import TPUClusterResolver
-from keras_tpu.placement import Placement
+from keras_tpu._cluster import TPUClusterResolver
+from keras_tpu._placement import Placement
 
 
 class ModeKeys:
@@ -368,7 +368,7 @@ class RunConfig:
 
     @property
     def cluster_spec(self):
-        from keras_tpu.cluster import ClusterSpec
+        from keras_tpu._cluster import ClusterSpec
 
         return self.cluster.cluster_spec() if self.cluster is not None else ClusterSpec({})
 
@@ -691,7 +691,7 @@ def _read_checkpoint(path):
         path += ".npz"
     if not os.path.isfile(path):
         return None
-    header, arrays = checkpoints._read(path)
+    header, arrays = checkpoints.read_checkpoint(path)
     return header["step"], arrays, header
 
 
@@ -845,7 +845,7 @@ class TPUEstimator:
                              f"In constructor: {model_dir}, in RunConfig: {configured}.")
         model_dir = model_dir or configured
         if not model_dir:
-            from keras_tpu import pod
+            from keras_tpu import _pod as pod
 
             if pod.is_multi_worker():
                 raise ValueError("A TPUEstimator in a pod needs a model_dir (argument or RunConfig) that every "
@@ -1142,7 +1142,7 @@ class TPUEstimator:
 
     def export_saved_model(self, export_dir_base, serving_input_receiver_fn, assets_extra=None, as_text=False,
                            checkpoint_path=None, experimental_mode=ModeKeys.PREDICT):
-        """Export the PREDICT graph with a checkpoint's weights (see :mod:`keras_tpu.export`).
+        """Export the PREDICT graph with a checkpoint's weights (see :mod:`keras_tpu._export`).
 
         ``serving_input_receiver_fn()`` returns example features (an array or a
         dict of arrays, any batch size; or an object with a ``features``
@@ -1154,8 +1154,8 @@ class TPUEstimator:
         export's ``assets.extra`` directory. ``as_text`` is accepted (there
         is no protocol buffer to write). Only ``experimental_mode=PREDICT``.
         """
-        from keras_tpu import pod
-        from keras_tpu.export import export_model
+        from keras_tpu import _pod as pod
+        from keras_tpu._export import export_model
 
         if not serving_input_receiver_fn:
             raise ValueError("An input_receiver_fn must be defined.")

@@ -1,68 +1,50 @@
-"""keras_tpu.accelerators and (during the move) keras_tpu.cluster hold the same accelerator table.
-
-cluster.py still defines its own copy of the names that moved to
-accelerators.py. Until it imports them from there, these tests check that
-both copies agree value for value; afterwards they are trivially true.
-"""
-
-import dataclasses
+"""The accelerator table (keras_tpu._accelerators): published figures, parsing, and its readers."""
 
 import pytest
 
-from keras_tpu import accelerators, cluster
-from keras_tpu.mxu import cost
-
-NAMES = ("ACCELERATOR_TYPES", "DEFAULT_ACCELERATOR_TYPE", "GENERATIONS", "GIB", "SLICE_SIZES")
-
-
-def _public_attributes(cls):
-    return sorted(name for name in dir(cls) if not name.startswith("_"))
+import keras_tpu
+from keras_tpu import _accelerators as accelerators
+from keras_tpu.mxu import _cost as cost
 
 
-def _values(spec):
-    """Every field and property of a spec, by name."""
-    return {name: getattr(spec, name) for name in _public_attributes(type(spec))}
+@pytest.mark.parametrize("generation, peak_tflops, hbm_gib", [
+    ("v2", 22.9, 8),      # 128 x 128 MXU at 700 MHz; 16 GiB per chip of 2 cores
+    ("v3", 61.6, 16),     # 2 MXUs at 940 MHz (123 TFLOP/s per chip); 32 GiB per chip
+    ("v4", 137.6, 16),    # 4 MXUs at 1050 MHz (275 TFLOP/s per chip)
+])
+def test_per_core_figures_match_the_published_chip_figures(generation, peak_tflops, hbm_gib):
+    spec = accelerators.GENERATIONS[generation]
+    assert spec.peak_flops_per_core / 1e12 == pytest.approx(peak_tflops, rel=0.01)
+    assert spec.hbm_bytes_per_core == hbm_gib * accelerators.GIB
 
 
-def test_the_spec_classes_have_the_same_fields_defaults_and_properties():
-    old, new = cluster.AcceleratorSpec, accelerators.AcceleratorSpec
-    as_pairs = lambda cls: [(f.name, f.type, f.default) for f in dataclasses.fields(cls)]
-    assert as_pairs(old) == as_pairs(new)
-    assert _public_attributes(old) == _public_attributes(new)
-    assert old.__dataclass_params__.frozen and new.__dataclass_params__.frozen
+@pytest.mark.parametrize("name, generation, cores", [
+    ("v2-8", "v2", 8), (" V3-8 ", "v3", 8), ("v3-2048", "v3", 2048), ("v5e-8", "v5litepod", 8),
+    ("v5litepod-16", "v5litepod", 16),
+])
+def test_accelerator_spec_parses_names_as_cloud_tpu_spells_them(name, generation, cores):
+    spec, parsed_cores = accelerators.accelerator_spec(name)
+    assert (spec.generation, parsed_cores) == (generation, cores)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_the_tables_are_equal(name):
-    old, new = getattr(cluster, name), getattr(accelerators, name)
-    if name == "GENERATIONS":
-        assert list(old) == list(new)
-        for generation in old:
-            assert _values(old[generation]) == _values(new[generation]), generation
-    else:
-        assert old == new
+@pytest.mark.parametrize("bad", ["v3-7", "v9-8", "tpu", "v2-16", ""])
+def test_unknown_types_are_refused_with_the_known_ones_listed(bad):
+    with pytest.raises(ValueError, match="Known types: v2-8, v2-32"):
+        accelerators.accelerator_spec(bad)
 
 
-@pytest.mark.parametrize("accelerator_type", accelerators.ACCELERATOR_TYPES + ("v5e-8", " V3-8 "))
-def test_accelerator_spec_parses_the_same(accelerator_type):
-    (old, old_cores), (new, new_cores) = (cluster.accelerator_spec(accelerator_type),
-                                          accelerators.accelerator_spec(accelerator_type))
-    assert old_cores == new_cores
-    assert _values(old) == _values(new)
+def test_every_listed_type_parses_and_the_package_exports_the_one_table():
+    for name in accelerators.ACCELERATOR_TYPES:
+        accelerators.accelerator_spec(name)
+    assert keras_tpu.ACCELERATOR_TYPES is accelerators.ACCELERATOR_TYPES
+    assert keras_tpu.AcceleratorSpec is accelerators.AcceleratorSpec
+    resolver = keras_tpu.TPUClusterResolver(tpu="", accelerator_type="v3-8")
+    assert resolver.spec is accelerators.GENERATIONS["v3"]
 
 
-def test_accelerator_spec_rejects_the_same():
-    for bad in ("v3-7", "v9-8", "tpu"):
-        with pytest.raises(ValueError) as old:
-            cluster.accelerator_spec(bad)
-        with pytest.raises(ValueError) as new:
-            accelerators.accelerator_spec(bad)
-        assert str(old.value) == str(new.value)
-
-
-def test_the_cost_model_takes_either_copy_of_a_spec():
+def test_the_cost_model_takes_a_spec_a_type_or_a_generation():
     gemm = cost.gemm_cost(1024, 288, 64)
     by_name = gemm.timing("v3-8")
-    assert gemm.timing(cluster.accelerator_spec("v3-8")[0]) == by_name
     assert gemm.timing(accelerators.accelerator_spec("v3-8")[0]) == by_name
     assert gemm.timing("v3") == by_name
+    assert gemm.timing("v2-8") != by_name

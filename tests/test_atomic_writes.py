@@ -14,9 +14,9 @@ import keras
 import numpy as np
 import pytest
 
-from keras_tpu import _files, checkpoints, weights
+from keras_tpu import _files, _checkpoints as checkpoints, _weights as weights
 from keras_tpu.datasets import _cache
-from keras_tpu.export import ExportedModel, export_model, load_exported
+from keras_tpu._export import ExportedModel, export_model, load_exported
 from tests.conftest import REPO, run_python
 
 
@@ -241,8 +241,8 @@ def test_the_dataset_cache_is_written_atomically(tmp_path):
 SAVER = """
 import os, sys
 import keras_tpu, keras, numpy as np
-from keras_tpu import checkpoints, weights
-from keras_tpu.export import export_model
+from keras_tpu import _checkpoints as checkpoints, _weights as weights
+from keras_tpu._export import export_model
 directory = sys.argv[1]
 model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(512), keras.layers.Dense(256), keras.layers.Dense(10)])
 step = 0
@@ -348,9 +348,9 @@ def test_fifteen_kills_at_random_moments(tmp_path):
 FULL_DISK = """
 import json, os, resource, signal, sys
 import keras_tpu, keras, numpy as np
-from keras_tpu import checkpoints, weights
+from keras_tpu import _checkpoints as checkpoints, _weights as weights
 from keras_tpu.datasets import _cache
-from keras_tpu.export import export_model
+from keras_tpu._export import export_model
 directory = sys.argv[1]
 model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256), keras.layers.Dense(10)])
 model.set_weights([np.full(w.shape, 1.0, w.dtype) for w in model.get_weights()])
@@ -410,7 +410,7 @@ def test_a_full_disk_fails_with_a_clear_error_and_keeps_the_previous_files(tmp_p
 POD = """
 import os, sys, time
 import keras_tpu, h5py, jax, keras, numpy as np
-from keras_tpu import _keras_private, checkpoints, weights
+from keras_tpu import _keras_private, _checkpoints as checkpoints, _weights as weights
 directory = sys.argv[1]
 chief = jax.process_index() == 0
 model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])

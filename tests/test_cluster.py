@@ -4,7 +4,7 @@ import pytest
 
 import keras_tpu
 from keras_tpu import _process
-from keras_tpu.cluster import ACCELERATOR_TYPES, accelerator_spec
+from keras_tpu._accelerators import ACCELERATOR_TYPES, accelerator_spec
 
 
 def test_grpc_address_is_accepted_and_stripped():
@@ -80,7 +80,7 @@ def keras_tpu_log(caplog, fn, level=logging.INFO):
 
 
 def test_initialize_logs_the_tensorflow_lines(caplog, monkeypatch):
-    from keras_tpu import cluster
+    from keras_tpu import _cluster as cluster
 
     monkeypatch.setattr(_process.STATE, "announced", {})  # as in a fresh process
     text, topology = keras_tpu_log(
@@ -131,7 +131,7 @@ def test_pod_workers_from_arguments_and_environment(monkeypatch):
 
 
 def test_the_found_tpu_system_block_is_logged_once_per_system(caplog, monkeypatch):
-    from keras_tpu import cluster
+    from keras_tpu import _cluster as cluster
 
     monkeypatch.setattr(_process.STATE, "announced", {})
     resolver = keras_tpu.TPUClusterResolver("grpc://10.0.0.9:8470")

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from keras_tpu.cores import CoreLayout
+from keras_tpu._cores import CoreLayout
 from tests.conftest import run_python
 
 
@@ -20,7 +20,7 @@ def _core_program(layout):
 
 
 def test_one_process_holds_its_eight_cores_on_one_device():
-    # One copy of the weights and no cross-device collective to wait on (see keras_tpu/cores.py).
+    # One copy of the weights and no cross-device collective to wait on (see keras_tpu/_cores.py).
     layout = CoreLayout(8)
     assert layout.num_devices == 1 and layout.cores_per_device == 8
     assert layout.sub_layout(1).num_cores == 1 and layout.sub_layout(4).cores_per_device == 4
@@ -48,7 +48,7 @@ def test_jax_started_with_one_device_before_keras_tpu():
 import logging, jax, jax.numpy as jnp, numpy as np
 jnp.ones(3).block_until_ready()           # the backend is running with 1 CPU device
 import keras_tpu
-from keras_tpu.cores import CoreLayout
+from keras_tpu._cores import CoreLayout
 layout = CoreLayout(8)
 def core_fn(x):
     return layout.core_index() + 0 * x, layout.psum(jnp.sum(x))

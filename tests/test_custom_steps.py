@@ -15,8 +15,8 @@ import pytest
 from keras import ops
 
 import keras_tpu
-from keras_tpu.custom_steps import cores_for_rows
-from keras_tpu.placement import installed_on
+from keras_tpu._custom_steps import cores_for_rows
+from keras_tpu._placement import installed_on
 from tests.tpu_helpers import compiled_programs
 
 

@@ -378,7 +378,7 @@ def test_the_logged_loop_time_includes_the_device_work(tmp_path, caplog, monkeyp
             time.sleep(self.wait)
             return float(self.value)
 
-    from keras_tpu import placement
+    from keras_tpu import _placement as placement
 
     class SlowDevice(placement.ReplicatedSteps):
         def train_function(self, steps_per_execution=1):

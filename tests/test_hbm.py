@@ -1,8 +1,8 @@
-"""keras_tpu.hbm: per-core HBM footprints, the TPU's tiled layouts, and the published fits they must reproduce.
+"""keras_tpu._hbm: per-core HBM footprints, the TPU's tiled layouts, and the published fits they must reproduce.
 
 No test allocates a big model: they are built under ``hbm.abstract_weights()``
 (Keras variables with shapes but no values) and their steps are traced
-abstractly. The published checks (cited in ``keras_tpu/hbm.py``):
+abstractly. The published checks (cited in ``keras_tpu/_hbm.py``):
 
 * ResNet-50, 128 images per core, trains on a v2 core (8 GiB): MLPerf
   Training v0.5, Google's ``cloud_v2.8`` ResNet-50 entry (global batch 1024
@@ -26,8 +26,8 @@ import pytest  # noqa: E402
 from keras import layers  # noqa: E402
 
 import keras_tpu  # noqa: E402
-from keras_tpu import hbm  # noqa: E402
-from keras_tpu.accelerators import GIB  # noqa: E402
+from keras_tpu import _hbm as hbm  # noqa: E402
+from keras_tpu._accelerators import GIB  # noqa: E402
 
 
 # -- the tiled layout ---------------------------------------------------------------------------
@@ -146,8 +146,8 @@ def test_abstract_weights_leave_no_variables_waiting_to_be_initialised():
 
 def test_the_compile_step_path_agrees_with_the_model_path():
     """What ``_Program`` has at compile time: the device program's arguments and its cores per device."""
-    from keras_tpu.cores import CoreLayout
-    from keras_tpu.replicated_steps import ReplicatedSteps
+    from keras_tpu._cores import CoreLayout
+    from keras_tpu._replicated_steps import ReplicatedSteps
 
     model = _mlp(256, 2)
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))

@@ -4,7 +4,7 @@ Every module of the package is parsed with ``ast`` (nothing is imported) and
 every import of a keras_tpu module is an edge, whether it is at module level
 or inside a function: a function-local import hides a cycle from Python's
 import machinery but not from the design. A package's implicit import of its
-parent packages is not an edge (importing ``keras_tpu.mxu.cost`` runs
+parent packages is not an edge (importing ``keras_tpu.mxu._cost`` runs
 ``keras_tpu/__init__.py``, which imports everything; that is not a cycle of
 the design).
 
@@ -68,7 +68,7 @@ def imported_modules(module, path, modules):
             if source != PACKAGE and not source.startswith(PACKAGE + "."):
                 continue
             for alias in node.names:
-                # `from keras_tpu.mxu import cost` imports the submodule; `from keras_tpu.mxu import route`
+                # `from keras_tpu.mxu import _cost as cost` imports the submodule; `from keras_tpu.mxu import route`
                 # imports the package keras_tpu.mxu.
                 target = _resolve(f"{source}.{alias.name}", modules) or _resolve(source, modules)
                 if target:
@@ -104,8 +104,8 @@ def format_cycle(cycle):
 
 def test_the_graph_sees_module_level_and_local_imports():
     graph = import_graph()
-    assert "keras_tpu.mxu.numerics" in graph["keras_tpu.mxu.primitives"]      # module level
-    assert "keras_tpu.mxu.routing" in graph["keras_tpu.export"]                # inside a function
+    assert "keras_tpu.mxu._numerics" in graph["keras_tpu.mxu._primitives"]      # module level
+    assert "keras_tpu.mxu._routing" in graph["keras_tpu._export"]                # inside a function
     assert "keras_tpu.mxu" in graph["keras_tpu"]                               # `from keras_tpu import mxu`
 
 
@@ -126,3 +126,60 @@ def test_no_new_import_cycles_and_no_stale_known_ones():
         message.append("These cycles no longer exist; remove them from KNOWN_CYCLES_TO_REMOVE:\n  "
                        + "\n  ".join(format_cycle(c) for c in gone))
     assert not message, "\n".join(message)
+
+
+def private_name_reads(module, path, modules):
+    """``(line, "module._name")`` for each private name of another keras_tpu module this module reads.
+
+    Two forms are seen: ``from keras_tpu.x import _name`` and ``alias._name`` where ``alias`` was bound
+    to a keras_tpu module by an import. A private *module* (``keras_tpu._files``) may be imported;
+    the names it keeps private may not be read from outside it.
+    """
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    is_package = os.path.basename(path) == "__init__.py"
+    aliases, reads = {}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in modules and alias.asname:
+                    aliases[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source not in modules:
+                continue
+            for alias in node.names:
+                full = f"{source}.{alias.name}"
+                if full in modules:
+                    aliases[alias.asname or alias.name] = full
+                elif alias.name.startswith("_") and source != module:
+                    reads.append((node.lineno, full))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in aliases and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and f"{aliases[node.value.id]}.{node.attr}" not in modules
+                and aliases[node.value.id] != module):
+            reads.append((node.lineno, f"{aliases[node.value.id]}.{node.attr}"))
+    return sorted(reads)
+
+
+def test_the_private_name_finder_sees_both_forms(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("from keras_tpu import _pod as pod\nfrom keras_tpu._cores import _secret, CoreLayout\n"
+                      "pod._started\npod.barrier\n")
+    modules = {"keras_tpu": "", "keras_tpu._pod": "", "keras_tpu._cores": "", "keras_tpu.m": str(source)}
+    assert private_name_reads("keras_tpu.m", str(source), modules) == [
+        (2, "keras_tpu._cores._secret"), (3, "keras_tpu._pod._started")]
+
+
+def test_no_module_reads_another_modules_private_names():
+    modules = package_modules()
+    found = [f"{module} line {line}: {name}" for module, path in sorted(modules.items())
+             for line, name in private_name_reads(module, path, modules)]
+    assert not found, "Modules reading another module's private names:\n  " + "\n  ".join(found)

@@ -8,7 +8,7 @@ import pytest
 from jax import lax
 from keras import layers
 
-from keras_tpu import mxu, rewrite
+from keras_tpu import mxu, _rewrite as rewrite
 from keras_tpu.mxu import mxu_conv_p, mxu_dot_general_p
 
 

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from keras_tpu import mxu
-from keras_tpu.mxu.cost import conv_cost, gemm_cost, scalesim_layer_cost
+from keras_tpu.mxu._cost import conv_cost, gemm_cost, scalesim_layer_cost
 
 # Golden COMPUTE_REPORT.csv rows of SCALE-Sim v2's own regression tests
 # (github.com/scalesim-project/scale-sim-v2), both on its 32x32 weight-stationary config:

@@ -1,4 +1,4 @@
-"""Every form of an MXU pass (keras_tpu.mxu.kernels) is the MXU's arithmetic and compiles on XLA:CPU.
+"""Every form of an MXU pass (keras_tpu.mxu._kernels) is the MXU's arithmetic and compiles on XLA:CPU.
 
 Exactness is checked with integer operands in [-255, 255] (8-bit
 significands, exact in bfloat16): their products need 16 bits and a sum of up
@@ -18,7 +18,7 @@ import pytest
 from jax import lax
 
 from keras_tpu import mxu
-from keras_tpu.mxu import kernels
+from keras_tpu.mxu import _kernels as kernels
 
 DOT_CASES = {
     # name: (lhs shape, rhs shape, dimension numbers)

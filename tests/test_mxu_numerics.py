@@ -8,7 +8,7 @@ import pytest
 from jax import lax
 
 from keras_tpu import mxu
-from keras_tpu.mxu.numerics import canonical_precision, split_bfloat16
+from keras_tpu.mxu._numerics import canonical_precision, split_bfloat16
 
 
 def bf16(x):

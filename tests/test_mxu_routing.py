@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from keras_tpu import mxu, rewrite
+from keras_tpu import mxu, _rewrite as rewrite
 from keras_tpu.mxu import mxu_conv_p, mxu_dot_general_p
 
 

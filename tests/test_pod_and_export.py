@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import keras_tpu
-from keras_tpu import checkpoints
+from keras_tpu import _checkpoints as checkpoints
 from tests.conftest import REPO
 from tests.tpu_helpers import classification_data, on_tpu, small_classifier
 
@@ -145,7 +145,7 @@ def test_export_runs_in_a_fresh_process_for_any_batch_size(tmp_path):
     np.save(tmp_path / "x.npy", x)
     code = f"""
 import numpy as np
-from keras_tpu.export import load_exported
+from keras_tpu._export import load_exported
 predict = load_exported({path!r})
 x = np.load({str(tmp_path / "x.npy")!r})
 for rows in (1, 7, 100):

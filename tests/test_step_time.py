@@ -8,8 +8,8 @@ import keras
 import pytest
 
 import keras_tpu
-from keras_tpu import hbm, step_time
-from keras_tpu.accelerators import system_figures
+from keras_tpu import _hbm as hbm, _step_time as step_time
+from keras_tpu._accelerators import system_figures
 from keras_tpu.mxu import trace_mxu_ops
 
 

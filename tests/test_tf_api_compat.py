@@ -24,7 +24,7 @@ import pytest
 
 import keras_tpu
 from keras_tpu import estimator as tpu_estimator
-from keras_tpu import strategy as tpu_strategy
+from keras_tpu import _strategy as tpu_strategy
 from keras_tpu.estimator import ModeKeys
 from tests.tpu_helpers import classification_data, on_tpu, small_classifier
 

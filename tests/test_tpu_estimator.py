@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import keras_tpu
-from keras_tpu import checkpoints
+from keras_tpu import _checkpoints as checkpoints
 from keras_tpu import estimator as tpu_estimator
 from tests.conftest import REPO
 

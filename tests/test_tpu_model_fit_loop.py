@@ -125,7 +125,7 @@ def test_batch_normalization_moving_statistics_skip_padding_cores():
 
 
 def test_dropout_draws_a_different_mask_on_every_core():
-    from keras_tpu.replicated_steps import ReplicatedSteps
+    from keras_tpu._replicated_steps import ReplicatedSteps
 
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dropout(0.5)])
     model.compile(loss="mse")

@@ -37,7 +37,7 @@ def test_rows_name_layers_and_passes_with_per_core_shapes():
     expected = gemm_cost(128 * 16 * 16, 27, 32)
     assert conv["cycles"] == expected.cycles and conv["utilization"] == pytest.approx(expected.utilization)
     # Its time: SCALE-Sim's cycles or its real operand bytes (whichever bounds it) plus one kernel launch.
-    latency = keras_tpu.step_time.KERNEL_LATENCY_CYCLES / 700e6
+    latency = keras_tpu._step_time.KERNEL_LATENCY_CYCLES / 700e6
     assert conv["time_s"] == pytest.approx(expected.timing("v2-8", hbm_bytes=conv["hbm_bytes"]).time_s + latency)
     assert conv["hbm_bytes"] < expected.hbm_bytes  # the input read once, not its im2col matrix
     assert conv["mxu_s"] + conv["memory_s"] == pytest.approx(conv["time_s"]) and conv["vector_s"] == 0

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import keras_tpu
-from keras_tpu.placement import installed_on
+from keras_tpu._placement import installed_on
 from tests.tpu_helpers import assert_weights_close, classification_data, compiled_programs, small_classifier
 
 

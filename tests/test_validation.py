@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import keras_tpu
-from keras_tpu import _process, pod, validation, weights
+from keras_tpu import _process, _pod as pod, _validation as validation, _weights as weights
 from tests.conftest import REPO, run_python
 
 README = os.path.join(REPO, "README.md")

@@ -8,13 +8,13 @@ Example:
     4217
 """
 
-from keras_tpu.mxu.cost import ConvCost, GemmCost, Timing, conv_cost, gemm_cost, scalesim_layer_cost
-from keras_tpu.mxu.numerics import Precision, canonical_precision, round_to_bfloat16
-from keras_tpu.mxu.primitives import (MXU_PRIMITIVES, conv_general_dilated, dot_general, matmul,
+from keras_tpu.mxu._cost import ConvCost, GemmCost, Timing, conv_cost, gemm_cost, scalesim_layer_cost
+from keras_tpu.mxu._numerics import Precision, canonical_precision, round_to_bfloat16
+from keras_tpu.mxu._primitives import (MXU_PRIMITIVES, conv_general_dilated, dot_general, matmul,
                                       mxu_conv_p, mxu_dot_general_p)
-from keras_tpu.mxu.program import MXUOp, mxu_ops, split_name_stack, trace_mxu_ops
-from keras_tpu.mxu.routing import mxu_rule, route
-from keras_tpu.mxu.systolic import SimulationResult, SystolicArray
+from keras_tpu.mxu._program import MXUOp, mxu_ops, split_name_stack, trace_mxu_ops
+from keras_tpu.mxu._routing import mxu_rule, route
+from keras_tpu.mxu._systolic import SimulationResult, SystolicArray
 
 __all__ = [
     "ConvCost", "GemmCost", "MXUOp", "MXU_PRIMITIVES", "Precision", "SimulationResult", "SystolicArray",

@@ -3,7 +3,7 @@
 After :func:`keras_tpu.mxu.route`, a program's matrix work is the
 ``mxu_dot_general`` and ``mxu_conv`` equations of its jaxpr. :func:`mxu_ops`
 finds them all (inside loops, branches and nested calls), maps each onto the
-array (see :mod:`keras_tpu.mxu.cost`) and records where it came from: the
+array (see :mod:`keras_tpu.mxu._cost`) and records where it came from: the
 name stack that JAX keeps, which for a Keras model names the layer, and
 whether autodiff made it (backward) or not (forward).
 
@@ -17,7 +17,7 @@ Two mappings differ from plain im2col, as a TPU compiler's do:
   input element, times the input channels (exact per spatial dimension).
 * A weight gradient (a backward op whose result has the shape of a forward
   op's weights) is mapped the cheapest of SCALE-Sim's dataflows
-  (:meth:`~keras_tpu.mxu.cost.GemmCost.cheapest_dataflow`); its ``cost.dataflow``
+  (:meth:`~keras_tpu.mxu._cost.GemmCost.cheapest_dataflow`); its ``cost.dataflow``
   says which.
 """
 
@@ -27,11 +27,11 @@ import re
 
 import jax
 
-from keras_tpu import rewrite
-from keras_tpu.mxu.cost import GemmCost
-from keras_tpu.mxu.numerics import Precision
-from keras_tpu.mxu.primitives import mxu_conv_p, mxu_dot_general_p
-from keras_tpu.mxu.routing import route
+from keras_tpu import _rewrite as rewrite
+from keras_tpu.mxu._cost import GemmCost
+from keras_tpu.mxu._numerics import Precision
+from keras_tpu.mxu._primitives import mxu_conv_p, mxu_dot_general_p
+from keras_tpu.mxu._routing import route
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,82 +12,10 @@ import math
 import os
 import re
 
-from keras_tpu import host, validation
+from keras_tpu import _host as host, _validation as validation
 from keras_tpu import _process
+from keras_tpu._accelerators import DEFAULT_ACCELERATOR_TYPE, GIB, AcceleratorSpec, accelerator_spec
 from keras_tpu._logging import logger
-
-
-@dataclasses.dataclass(frozen=True)
-class AcceleratorSpec:
-    """Public per-generation figures of a Cloud TPU TensorCore ("core").
-
-    Sources: Cloud TPU system-architecture pages (v3, v4, v5e) and Jouppi et
-    al., "A Domain-Specific Supercomputer for Training Deep Neural Networks",
-    CACM 2020 (v2). Per-core HBM figures are the chip figures divided by the
-    cores per chip.
-    """
-
-    generation: str
-    cores_per_chip: int
-    mxus_per_core: int
-    clock_hz: float
-    hbm_bytes_per_core: int
-    hbm_bytes_per_second_per_core: float
-    mxu_rows: int = 128
-    mxu_cols: int = 128
-
-    @property
-    def peak_flops_per_core(self):
-        """bf16 peak: two flops per multiply-accumulate, every MXU cell every cycle."""
-        return 2.0 * self.mxus_per_core * self.mxu_rows * self.mxu_cols * self.clock_hz
-
-
-GIB = 1 << 30
-
-GENERATIONS = {
-    # 2 cores x 1 MXU at 700 MHz (~45 TFLOP/s per chip), 16 GiB and 700 GB/s per chip.
-    "v2": AcceleratorSpec("v2", 2, 1, 700e6, 8 * GIB, 350e9),
-    # 2 cores x 2 MXUs at 940 MHz (123 TFLOP/s per chip), 32 GiB and 900 GB/s per chip.
-    "v3": AcceleratorSpec("v3", 2, 2, 940e6, 16 * GIB, 450e9),
-    # 2 cores x 4 MXUs at 1050 MHz (275 TFLOP/s per chip), 32 GiB and 1200 GB/s per chip.
-    "v4": AcceleratorSpec("v4", 2, 4, 1050e6, 16 * GIB, 600e9),
-    # 1 core x 4 MXUs at 1.5 GHz (197 TFLOP/s per chip), 16 GB and 819 GB/s per chip.
-    "v5litepod": AcceleratorSpec("v5litepod", 1, 4, 1500e6, 16 * 10**9, 819e9),
-}
-
-# Slice sizes (TensorCores, i.e. the number after the dash) Cloud TPU offers.
-SLICE_SIZES = {
-    "v2": (8, 32, 128, 256, 512),
-    "v3": (8, 32, 64, 128, 256, 512, 1024, 2048),
-    "v4": (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
-    "v5litepod": (1, 4, 8, 16, 32, 64, 128, 256),
-}
-
-ACCELERATOR_TYPES = tuple(f"{gen}-{n}" for gen, sizes in SLICE_SIZES.items() for n in sizes)
-
-DEFAULT_ACCELERATOR_TYPE = "v2-8"
-
-
-def accelerator_spec(accelerator_type):
-    """Parse an accelerator type such as ``"v3-8"`` into ``(AcceleratorSpec, num_cores)``.
-
-    Example:
-        >>> spec, cores = accelerator_spec("v2-8")
-        >>> cores, spec.mxus_per_core
-        (8, 1)
-    """
-    match = re.fullmatch(r"(v2|v3|v4|v5litepod|v5e)-(\d+)", str(accelerator_type).strip().lower())
-    generation = None
-    if match:
-        generation = "v5litepod" if match.group(1) == "v5e" else match.group(1)
-        cores = int(match.group(2))
-        if cores in SLICE_SIZES[generation]:
-            return GENERATIONS[generation], cores
-    raise ValueError(
-        f"Unknown TPU accelerator type {accelerator_type!r}. Known types: "
-        + ", ".join(ACCELERATOR_TYPES)
-        + "."
-    )
 
 
 class ClusterSpec:
@@ -339,7 +267,7 @@ class Topology:
     spec: AcceleratorSpec
     num_workers: int
     cores_per_worker: int
-    layout: "object"  # keras_tpu.cores.CoreLayout
+    layout: "object"  # keras_tpu._cores.CoreLayout
 
     @property
     def num_cores(self):
@@ -416,14 +344,14 @@ def initialize_tpu_system(cluster_resolver=None):
         >>> topology.num_cores
         8
     """
-    from keras_tpu.cores import CoreLayout
+    from keras_tpu._cores import CoreLayout
 
     resolver = cluster_resolver
     if resolver is None:
         resolver = TPUClusterResolver()
     if not isinstance(resolver, TPUClusterResolver):
         raise TypeError(f"initialize_tpu_system expects a TPUClusterResolver; got {type(resolver).__name__}.")
-    from keras_tpu import pod
+    from keras_tpu import _pod as pod
 
     if resolver.num_workers > 1:
         pod.start(resolver.workers, resolver.task_index)

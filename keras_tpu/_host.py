@@ -4,7 +4,7 @@
 its JAX backend, a pod's workers must join JAX's multi-process runtime
 before its backend starts, and JAX is asked for one virtual CPU device per
 simulated core (experiments may lay the cores over several devices of one
-process, see :class:`keras_tpu.cores.CoreLayout`). The default layout needs
+process, see :class:`keras_tpu._cores.CoreLayout`). The default layout needs
 only one device per process (:func:`devices_for_cores`), so nothing is lost
 if JAX was already running when ``keras_tpu`` was imported.
 """
@@ -81,7 +81,7 @@ def prepare_host():
     Called on ``import keras_tpu``; safe to call again.
 
     Example:
-        >>> from keras_tpu import host
+        >>> from keras_tpu import _host as host
         >>> host.prepare_host()
     """
     _require_keras_on_jax()
@@ -89,7 +89,7 @@ def prepare_host():
         _process.STATE.devices_requested = _request_virtual_devices(cores_per_worker())
         if not _process.STATE.devices_requested:
             logger.debug("JAX was already running when keras_tpu was imported.")
-        from keras_tpu import pod
+        from keras_tpu import _pod as pod
 
         workers, task_index = pod.workers_from_environment()
         pod.heartbeat_timeout_s()  # read again when a pod is joined; a malformed value is reported now
@@ -100,7 +100,7 @@ def prepare_host():
 def devices_for_cores(num_cores):
     """The JAX devices that hold ``num_cores`` simulated cores: one per process.
 
-    One process holds all its cores on one device (see :mod:`keras_tpu.cores`
+    One process holds all its cores on one device (see :mod:`keras_tpu._cores`
     for why); in a pod every worker process contributes its first device,
     in worker order, and the cores are spread evenly over the workers.
 

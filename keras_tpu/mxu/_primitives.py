@@ -2,9 +2,9 @@
 
 Each takes the same operands and parameters as ``lax.dot_general`` /
 ``lax.conv_general_dilated`` plus ``mxu_precision``, and computes what a TPU
-matrix unit computes (see :mod:`keras_tpu.mxu.numerics`). Being primitives,
+matrix unit computes (see :mod:`keras_tpu.mxu._numerics`). Being primitives,
 they appear by name in jaxprs, so a traced program's MXU work can be found and
-costed (:mod:`keras_tpu.mxu.program`).
+costed (:mod:`keras_tpu.mxu._program`).
 
 Their autodiff and batching rules reuse JAX's rules for the plain ops and
 route the ops those rules produce back onto the MXU, so ``grad`` and ``vmap``
@@ -12,20 +12,20 @@ of MXU code stay on the MXU. Like ``jax/_src/lax/convolution.py``, this
 module keeps each primitive's rules beside it, including the rewrite rule
 that replaces the plain op by the primitive (:func:`mxu_rule`) and
 :func:`route`, which the transpose and batching rules need; the public
-routing module :mod:`keras_tpu.mxu.routing` re-exports them. (So of the MXU
-package this module imports only :mod:`~keras_tpu.mxu.numerics` and
-:mod:`~keras_tpu.mxu.kernels`.)
+routing module :mod:`keras_tpu.mxu._routing` re-exports them. (So of the MXU
+package this module imports only :mod:`~keras_tpu.mxu._numerics` and
+:mod:`~keras_tpu.mxu._kernels`.)
 
 Lowering: each bf16 pass is one XLA dot or convolution with exact products
-and float32 accumulation, in the form :mod:`keras_tpu.mxu.kernels` chooses
+and float32 accumulation, in the form :mod:`keras_tpu.mxu._kernels` chooses
 for the op's layout and shape on this host (bf16 operands with a float32
 result, or bfloat16-rounded float32 operands; see there for the measured
 numbers). A convolution is lowered to XLA's own convolution rather than an
 explicit im2col GEMM: the numbers are the
 same up to float32 summation order, and XLA:CPU's convolution is several times
 faster than materialising the im2col matrix. The im2col mapping onto the
-array is what the cost model (:mod:`keras_tpu.mxu.cost`) and the reference
-systolic array (:mod:`keras_tpu.mxu.systolic`) use.
+array is what the cost model (:mod:`keras_tpu.mxu._cost`) and the reference
+systolic array (:mod:`keras_tpu.mxu._systolic`) use.
 """
 
 import functools
@@ -36,9 +36,9 @@ from jax import lax
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
-from keras_tpu import rewrite
-from keras_tpu.mxu import kernels
-from keras_tpu.mxu.numerics import Precision, canonical_precision, is_mxu_dtype, multipass, op_precision
+from keras_tpu import _rewrite as rewrite
+from keras_tpu.mxu import _kernels as kernels
+from keras_tpu.mxu._numerics import Precision, canonical_precision, is_mxu_dtype, multipass, op_precision
 
 
 def _static(*shapes):
@@ -167,7 +167,7 @@ _REPLACEMENTS = {
 
 
 def mxu_rule(precision="default"):
-    """A :mod:`keras_tpu.rewrite` rule that puts float dots and convolutions on the MXU.
+    """A :mod:`keras_tpu._rewrite` rule that puts float dots and convolutions on the MXU.
 
     An op that asks for more than the default precision (``HIGH`` or
     ``HIGHEST``) gets it; all others run at ``precision``. Integer and
@@ -187,7 +187,7 @@ def mxu_rule(precision="default"):
 
 
 def route(fun, precision="default"):
-    """Return ``fun`` with all its matrix work on the MXU (see :mod:`keras_tpu.mxu.routing`).
+    """Return ``fun`` with all its matrix work on the MXU (see :mod:`keras_tpu.mxu._routing`).
 
     Args:
         fun: a JAX-traceable function of arrays (or pytrees of arrays).

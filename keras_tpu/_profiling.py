@@ -2,13 +2,13 @@
 
 :func:`profile` traces one training step and one inference step of a Keras
 model exactly as the simulated TPU runs them (the per-core programs of
-:mod:`keras_tpu.replicated_steps`), finds every MXU operation, names it after
+:mod:`keras_tpu._replicated_steps`), finds every MXU operation, names it after
 its Keras layer and pass, and costs it on one core of the chosen accelerator
-with the SCALE-Sim v2 model (:mod:`keras_tpu.mxu.cost`). Every core runs the
+with the SCALE-Sim v2 model (:mod:`keras_tpu.mxu._cost`). Every core runs the
 same program on its share of the batch, so a Conv2D at global batch 1024 on a
 v2-8 is a GEMM with ``M = 128 * out_h * out_w``.
 
-The predicted step is the whole step (:mod:`keras_tpu.step_time`): the MXU
+The predicted step is the whole step (:mod:`keras_tpu._step_time`): the MXU
 ops, the vector unit's and HBM's work on everything else, the gradients'
 all-reduce, the input feed and the host's calls, for a named deployment
 (where the input pipeline and the Python loop run). The MXU ops alone are the
@@ -29,12 +29,12 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from keras_tpu import _keras_private, hbm, rewrite, step_time
-from keras_tpu.cluster import accelerator_spec
-from keras_tpu.cores import CoreLayout
-from keras_tpu.mxu.program import mxu_ops
-from keras_tpu.placement import installed_on
-from keras_tpu.replicated_steps import ReplicatedSteps
+from keras_tpu import _keras_private, _hbm as hbm, _rewrite as rewrite, _step_time as step_time
+from keras_tpu._accelerators import accelerator_spec
+from keras_tpu._cores import CoreLayout
+from keras_tpu.mxu._program import mxu_ops
+from keras_tpu._placement import installed_on
+from keras_tpu._replicated_steps import ReplicatedSteps
 
 # Front ends as Placement names them (its ``owner``), for the default deployment of each.
 _FRONT_ENDS = {"TPUDistributionStrategy": "keras_to_tpu_model", "TPUEstimator": "estimator",
@@ -52,7 +52,7 @@ class OpRow:
     op: object           # keras_tpu.mxu.MXUOp
     timing: object       # keras_tpu.mxu.Timing of one execution (its operands' real HBM bytes)
     hbm_bytes: int = 0   # HBM bytes of one execution: operands read once, result written once
-    latency_s: float = 0.0  # the kernel's launch latency (keras_tpu.step_time.KERNEL_LATENCY_CYCLES)
+    latency_s: float = 0.0  # the kernel's launch latency (keras_tpu._step_time.KERNEL_LATENCY_CYCLES)
 
     @property
     def mxu_only_s(self):
@@ -91,7 +91,7 @@ class VectorRow:
     step: str
     layer: str
     pass_name: str
-    work: object         # keras_tpu.step_time.VectorKernels
+    work: object         # keras_tpu._step_time.VectorKernels
     vector_s: float
     memory_s: float
     latency_s: float
@@ -131,11 +131,11 @@ class TPUProfile:
         self.dataset_size = dataset_size
         self._rows = rows
         self._vector_rows = list(vector_rows)
-        self.step_times = dict(step_times or {})  # {"train": keras_tpu.step_time.StepTime, ...}
+        self.step_times = dict(step_times or {})  # {"train": keras_tpu._step_time.StepTime, ...}
         self.deployment = deployment
         self.steps_per_execution = steps_per_execution
         self.advice = advice
-        self.hbm = None  # the per-core HBM of the step (keras_tpu.hbm.HBMFootprint), set by profile()
+        self.hbm = None  # the per-core HBM of the step (keras_tpu._hbm.HBMFootprint), set by profile()
 
     def rows(self, step=None):
         """The step's kernels as dicts: the MXU ops (``kind`` ``"dot"``/``"conv"``, with ``m``, ``k``, ``n``,
@@ -148,7 +148,7 @@ class TPUProfile:
         return list(self._rows) + self._vector_rows
 
     def parts(self, step):
-        """The :class:`keras_tpu.step_time.StepTime` of one step: MXU, vector, memory, all-reduce, input, host."""
+        """The :class:`keras_tpu._step_time.StepTime` of one step: MXU, vector, memory, all-reduce, input, host."""
         return self.step_times[step]
 
     def step_time(self, step):
@@ -481,9 +481,9 @@ def profile(model, batch_size=None, accelerator_type=None, num_cores=None, datas
         dataset_size: examples per epoch, for per-epoch totals.
         precision: MXU precision of the model's matrix products.
         deployment: where the input pipeline and the Python loop run, one of
-            :data:`keras_tpu.step_time.DEPLOYMENTS`: ``"tpu_vm"``,
+            :data:`keras_tpu._step_time.DEPLOYMENTS`: ``"tpu_vm"``,
             ``"remote_host_input"``, ``"remote_client_input"`` (default: per
-            front end, :data:`keras_tpu.step_time.DEFAULT_DEPLOYMENT`).
+            front end, :data:`keras_tpu._step_time.DEFAULT_DEPLOYMENT`).
         steps_per_execution: steps per host call (default: the model's
             ``steps_per_execution``, TPUEstimator's ``iterations_per_loop``).
         input_dtype: the type of the fed floating-point arrays, if not the

@@ -1,13 +1,8 @@
 """Cloud TPU accelerator types and the per-generation figures of their cores.
 
-The table the cluster resolver (:mod:`keras_tpu.cluster`) and the MXU cost
-model (:mod:`keras_tpu.mxu.cost`) share. It depends on nothing else in
+The table the cluster resolver (:mod:`keras_tpu._cluster`) and the MXU cost
+model (:mod:`keras_tpu.mxu._cost`) share. It depends on nothing else in
 keras_tpu, so the MXU package can use it without importing the cluster.
-
-Transition note: :mod:`keras_tpu.cluster` still defines its own identical
-copy of these names; ``tests/test_accelerators.py`` checks that the two agree
-until ``cluster.py`` imports them from here
-(``from keras_tpu.accelerators import ACCELERATOR_TYPES, AcceleratorSpec, ...``).
 """
 
 import dataclasses
@@ -68,8 +63,7 @@ DEFAULT_ACCELERATOR_TYPE = "v2-8"
 @dataclasses.dataclass(frozen=True)
 class SystemFigures:
     """Per-generation figures beyond the core's MXUs and HBM, for the whole-step time model
-    (:mod:`keras_tpu.step_time`). Kept apart from :class:`AcceleratorSpec` while ``keras_tpu.cluster``
-    still holds its own copy of that class.
+    (:mod:`keras_tpu._step_time`).
 
     Attributes:
         vpu_ops_per_cycle: 32-bit element operations the core's vector unit does per cycle.

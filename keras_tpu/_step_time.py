@@ -1,6 +1,6 @@
 """A whole TPU step, not just its matrix units: vector unit, HBM, all-reduce, input and host.
 
-:mod:`keras_tpu.mxu.cost` times the matrix products. A real step also runs
+:mod:`keras_tpu.mxu._cost` times the matrix products. A real step also runs
 everything else on the core's vector unit out of HBM, all-reduces the
 gradients across the cores, feeds each core its rows, and is launched by a
 host. This module costs those parts from the same traced program and
@@ -18,7 +18,7 @@ composes the step:
   and variance, Adam's three updates of one weight) into one multi-output
   kernel. Elementwise work feeding a matrix
   product is fused into it (its HBM traffic is the product's operand read).
-  Bytes are counted in the TPU's tiled layouts (:func:`keras_tpu.hbm.array_bytes`);
+  Bytes are counted in the TPU's tiled layouts (:func:`keras_tpu._hbm.array_bytes`);
   vector work in whole ``8 x 128`` vector registers. Per layer and pass the
   time is ``max(vector ops / VPU rate, bytes / HBM bandwidth)`` plus a fixed
   latency per kernel.
@@ -46,10 +46,10 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.extend import source_info_util
 
-from keras_tpu import hbm
-from keras_tpu.accelerators import accelerator_spec, system_figures
-from keras_tpu.mxu.primitives import mxu_conv_p, mxu_dot_general_p
-from keras_tpu.mxu.program import split_name_stack
+from keras_tpu import _hbm as hbm
+from keras_tpu._accelerators import accelerator_spec, system_figures
+from keras_tpu.mxu._primitives import mxu_conv_p, mxu_dot_general_p
+from keras_tpu.mxu._program import split_name_stack
 
 # -- constants -------------------------------------------------------------------------------------------------------
 
@@ -78,10 +78,10 @@ KERNEL_LATENCY_NOTE = ("not a published figure: one value for every generation, 
 #: multi-output kernel by being read by both.
 SIBLING_MIN_BYTES = 4096
 
-_FUSIBLE = hbm._FUSIBLE | frozenset("add_any pad concatenate rev dynamic_slice squeeze expand_dims clamp iota "
+FUSIBLE = hbm.FUSIBLE | frozenset("add_any pad concatenate rev dynamic_slice squeeze expand_dims clamp iota "
                                     "copy_p random_wrap random_unwrap".split())
-_EXPENSIVE = hbm._EXPENSIVE
-_INLINE = hbm._INLINE
+EXPENSIVE = hbm.EXPENSIVE
+INLINE = hbm.INLINE
 _REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin "
                         "cumsum cumprod cummax cumlogsumexp reduce_precision".split())
 
@@ -285,9 +285,9 @@ class _Walker:
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             stack = prefix + eqn.source_info.name_stack
-            subs = hbm._sub_jaxprs(eqn)
+            subs = hbm.sub_jaxprs(eqn)
             inputs = [env[a] for a in eqn.invars if not isinstance(a, jex_core.Literal) and a in env]
-            if name in _INLINE and len(subs) == 1 and len(subs[0].invars) == len(eqn.invars):
+            if name in INLINE and len(subs) == 1 and len(subs[0].invars) == len(eqn.invars):
                 sub = subs[0]
                 sub_env = {v: env[a] for v, a in zip(sub.invars, eqn.invars)
                            if not isinstance(a, jex_core.Literal) and a in env}
@@ -318,8 +318,8 @@ class _Walker:
                 continue
             out_slots = sum(_aval_bytes_and_slots(v.aval)[1] for v in eqn.outvars)
             in_slots = sum(v.slots for v in inputs) or out_slots
-            if name in _FUSIBLE:
-                group.vpu_ops += repeats * out_slots * (VPU_OPS_TRANSCENDENTAL if name in _EXPENSIVE else 1)
+            if name in FUSIBLE:
+                group.vpu_ops += repeats * out_slots * (VPU_OPS_TRANSCENDENTAL if name in EXPENSIVE else 1)
                 for var in eqn.outvars:
                     own_bytes, own_slots = _aval_bytes_and_slots(var.aval)
                     roots = {}
@@ -331,7 +331,7 @@ class _Walker:
                     # read more than it (XLA does not duplicate such a producer into its consumers).
                     # (Counted in elements, so that a cast to a narrower type is not taken for a reduction.)
                     too_wide = uses.get(var, 0) > 1 and (
-                        name in _EXPENSIVE or sum(r.slots for r in roots.values()) > FUSION_SLACK * max(own_slots, 1))
+                        name in EXPENSIVE or sum(r.slots for r in roots.values()) > FUSION_SLACK * max(own_slots, 1))
                     if too_wide or var in program_outputs:
                         self.root(group, level, inputs, own_bytes, repeats)
                         value = self.stored(var.aval)

@@ -18,7 +18,7 @@ The product of two bfloat16 numbers (8-bit significands) is exact in float32
 (24-bit significand), so a pass is either a float32 product of the rounded
 values or a bf16 x bf16 -> float32 product; both give exactly the MXU's
 products and accumulate in float32. Which of the two XLA:CPU runs faster
-depends on the host and the op's layout: :mod:`keras_tpu.mxu.kernels`
+depends on the host and the op's layout: :mod:`keras_tpu.mxu._kernels`
 chooses, and :func:`multipass` hands the passes their operands in the dtype
 the chosen form takes.
 """
@@ -125,7 +125,7 @@ PASS_PRODUCTS = {
     Precision.HIGHEST: ((2, 0), (1, 1), (0, 2), (1, 0), (0, 1), (0, 0)),
 }
 
-_PARTS = {Precision.DEFAULT: 1, Precision.HIGH: 2, Precision.HIGHEST: 3}
+PASS_PARTS = {Precision.DEFAULT: 1, Precision.HIGH: 2, Precision.HIGHEST: 3}
 
 
 def multipass(bilinear, lhs, rhs, precision, operand_dtype=jnp.float32):
@@ -137,8 +137,8 @@ def multipass(bilinear, lhs, rhs, precision, operand_dtype=jnp.float32):
     float32.
     """
     precision = canonical_precision(precision)
-    lhs_parts = split_bfloat16(lhs, _PARTS[precision], operand_dtype)
-    rhs_parts = split_bfloat16(rhs, _PARTS[precision], operand_dtype)
+    lhs_parts = split_bfloat16(lhs, PASS_PARTS[precision], operand_dtype)
+    rhs_parts = split_bfloat16(rhs, PASS_PARTS[precision], operand_dtype)
     # A bfloat16 operand has no lo/mid parts: skip the passes that would multiply zeros.
     used_l = 1 if lhs.dtype == jnp.bfloat16 else len(lhs_parts)
     used_r = 1 if rhs.dtype == jnp.bfloat16 else len(rhs_parts)

@@ -8,7 +8,7 @@ metric variables), so callbacks, the progress bar and ``History`` work as
 usual.
 
 What a train step does (TPU replication, as one device program per process;
-see :mod:`keras_tpu.cores`):
+see :mod:`keras_tpu._cores`):
 
 1. Each core runs the forward pass on its rows with Keras'
    ``compute_loss_and_updates`` (the model's own loss, regularisers and
@@ -18,7 +18,7 @@ see :mod:`keras_tpu.cores`):
    TPU's all-reduce), computed as one contraction over all rows; only the
    order of the float32 sums differs, as between two all-reduce algorithms.
    The optimizer update then runs once, on one copy of the weights.
-3. Padding rows (see :mod:`keras_tpu.batching`) get sample weight 0, and the
+3. Padding rows (see :mod:`keras_tpu._batching`) get sample weight 0, and the
    real rows a weight chosen so that the mean over cores equals the loss of
    the real rows alone: ``global_rows / real_rows`` for losses averaged over
    the batch (``sum_over_batch_size``), ``cores`` for ``sum``. Losses with
@@ -54,20 +54,20 @@ import keras
 from jax import lax
 from keras import tree
 
-from keras_tpu import _keras_private, hbm, pod, rewrite
+from keras_tpu import _keras_private, _hbm as hbm, _pod as pod, _rewrite as rewrite
 from keras_tpu._logging import logger
-from keras_tpu.batching import BatchStacker, describe_input_shapes, unstack_outputs
-from keras_tpu.cores import REPLICATED, ROWS, CoreLayout
-from keras_tpu.custom_steps import CustomSteps, custom_step_methods
-from keras_tpu.mxu import kernels
-from keras_tpu.mxu.numerics import canonical_precision
-from keras_tpu.mxu.routing import mxu_rule
-from keras_tpu.vector_unit import vector_unit_rule
+from keras_tpu._batching import BatchStacker, describe_input_shapes, unstack_outputs
+from keras_tpu._cores import REPLICATED, ROWS, CoreLayout
+from keras_tpu._custom_steps import CustomSteps, custom_step_methods
+from keras_tpu.mxu import _kernels as kernels
+from keras_tpu.mxu._numerics import canonical_precision
+from keras_tpu.mxu._routing import mxu_rule
+from keras_tpu._vector_unit import vector_unit_rule
 
 # Golden-ratio stride separating the per-core random streams of a seed generator.
 SEED_STRIDE = 0x9E3779B1
 
-# XLA:CPU options per program, per host class (keras_tpu.mxu.kernels.compiler_options): on hosts
+# XLA:CPU options per program, per host class (keras_tpu.mxu._kernels.compiler_options): on hosts
 # without bf16 dot instructions YNNPACK is off for training (its weight-gradient convolutions are
 # several times slower there) and on for inference; on bf16 hosts YNNPACK runs the dots only, where
 # the native bf16 forms the kernel table chooses are fast (benchmarks/mxu_kernels.py).
@@ -76,7 +76,7 @@ XLA_CPU_OPTIONS = {mode: kernels.compiler_options(mode) for mode in ("train", "t
 
 def program_rule(precision, on_mxu=True):
     """The rewrite rule of TPU programs: matrix products on the MXU (unless ``on_mxu`` is False) and the
-    vector unit's fast lowerings (:mod:`keras_tpu.vector_unit`)."""
+    vector unit's fast lowerings (:mod:`keras_tpu._vector_unit`)."""
     return rewrite.compose(mxu_rule(precision), vector_unit_rule()) if on_mxu else vector_unit_rule()
 
 
@@ -107,7 +107,7 @@ class ReplicatedSteps:
 
     Args:
         model: the compiled Keras model whose steps run on the cores.
-        layout: a :class:`keras_tpu.cores.CoreLayout`.
+        layout: a :class:`keras_tpu._cores.CoreLayout`.
         precision: the MXU's default precision for the model's matrix products.
         on_mxu: False runs the same programs with float32 matrix products
             (the CPU baseline of ``TPUEstimator(use_tpu=False)``).
@@ -170,7 +170,7 @@ class ReplicatedSteps:
 
         Such a loss is computed by the user's layer from every row it is given,
         so no mask can keep padding rows out of it. Those models run Keras' own
-        step on the cores without padding instead (:mod:`keras_tpu.custom_steps`:
+        step on the cores without padding instead (:mod:`keras_tpu._custom_steps`:
         a batch that does not split evenly over the cores runs on the most cores
         that divide it), which is exact for losses averaged over the rows, as
         Keras' activity regularisers are. Decided on the first batch, whose shapes
@@ -227,7 +227,7 @@ class ReplicatedSteps:
         return program.stacker.global_batch if program else None
 
     def hbm_footprint(self, mode, args):
-        """The per-core HBM one step of this mode's program needs on the accelerator (:mod:`keras_tpu.hbm`),
+        """The per-core HBM one step of this mode's program needs on the accelerator (:mod:`keras_tpu._hbm`),
         or ``None`` when not checked (a CPU placement).
 
         ``args`` are the device program's arguments; one core's step is traced

@@ -9,7 +9,7 @@ same result is a few fused elementwise ops: each window's gradient goes to
 the first element (in window order) equal to the window's maximum, exactly
 as XLA's ``select`` picks it.
 
-:func:`vector_unit_rule` is a :mod:`keras_tpu.rewrite` rule that swaps in the
+:func:`vector_unit_rule` is a :mod:`keras_tpu._rewrite` rule that swaps in the
 fast form wherever it applies and leaves every other op alone.
 """
 
@@ -75,7 +75,7 @@ def _traced(source_shape, source_dtype, operand_shape, operand_dtype, frozen_par
 
 
 def vector_unit_rule():
-    """A :mod:`keras_tpu.rewrite` rule replacing tiling ``select_and_scatter_add`` by its fast form."""
+    """A :mod:`keras_tpu._rewrite` rule replacing tiling ``select_and_scatter_add`` by its fast form."""
     def rule(eqn):
         if eqn.primitive is not jex_primitives.select_and_scatter_add_p:
             return None

@@ -6,11 +6,11 @@ makes the same decisions in the same order, here:
     resolver -> topology -> core layout -> MXU precision -> programs on the model
 
 A :class:`Placement` resolves the (simulated) TPU, starts it with
-:func:`keras_tpu.cluster.initialize_tpu_system`, picks the cores to use and
+:func:`keras_tpu._cluster.initialize_tpu_system`, picks the cores to use and
 the MXU precision, and :meth:`Placement.install` gives a Keras model its TPU
 programs: Keras' ``make_train_function``/``make_test_function``/
 ``make_predict_function`` return the replicated programs of
-:class:`keras_tpu.replicated_steps.ReplicatedSteps`, so Keras' own ``fit``,
+:class:`keras_tpu._replicated_steps.ReplicatedSteps`, so Keras' own ``fit``,
 ``evaluate`` and ``predict`` loops run on the TPU. (Keras 3's
 ``keras.distribution.Distribution`` plays the same role for its own
 data-parallel layouts: one object the trainer asks for placement.)
@@ -19,11 +19,11 @@ data-parallel layouts: one object the trainer asks for placement.)
 import dataclasses
 import types
 
-from keras_tpu import _keras_private, validation, weights
-from keras_tpu.cluster import TPUClusterResolver, initialize_tpu_system
-from keras_tpu.cores import CoreLayout
-from keras_tpu.mxu.numerics import canonical_precision
-from keras_tpu.replicated_steps import ReplicatedSteps, program_rule
+from keras_tpu import _keras_private, _validation as validation, _weights as weights
+from keras_tpu._cluster import TPUClusterResolver, initialize_tpu_system
+from keras_tpu._cores import CoreLayout
+from keras_tpu.mxu._numerics import canonical_precision
+from keras_tpu._replicated_steps import ReplicatedSteps, program_rule
 
 _INSTALLED = "_keras_tpu_installed"  # the model's __dict__ key for its Installation
 
@@ -86,7 +86,7 @@ class Placement:
 
     @property
     def rule(self):
-        """The rewrite rule of this placement's programs (see :func:`keras_tpu.replicated_steps.program_rule`)."""
+        """The rewrite rule of this placement's programs (see :func:`keras_tpu._replicated_steps.program_rule`)."""
         return program_rule(self.precision, self.on_mxu)
 
     @property
@@ -163,7 +163,7 @@ def installed_on(model):
 
 
 def _load_weights(model, filepath, *args, **kwargs):
-    """Keras' ``load_weights``, after :func:`keras_tpu.weights.check_loadable` (a damaged file, or
+    """Keras' ``load_weights``, after :func:`keras_tpu._weights.check_loadable` (a damaged file, or
     another model's weights, get a message naming the file and the layer)."""
     weights.check_loadable(model, filepath, by_name=kwargs.get("by_name", False),
                            skip_mismatch=kwargs.get("skip_mismatch", False))

@@ -23,7 +23,7 @@ import zlib
 import jax
 import numpy as np
 
-from keras_tpu import _process, validation
+from keras_tpu import _process, _validation as validation
 from keras_tpu._logging import logger
 
 def heartbeat_timeout_s():

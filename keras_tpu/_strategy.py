@@ -11,7 +11,7 @@
 A model **created** under ``strategy.scope()`` trains, evaluates and predicts
 on the TPU through its own ``fit``/``evaluate``/``predict`` (called inside or
 outside the scope), with the same replicated programs as
-:func:`keras_tpu.keras_to_tpu_model` (:mod:`keras_tpu.replicated_steps`). Its
+:func:`keras_tpu.keras_to_tpu_model` (:mod:`keras_tpu._replicated_steps`). Its
 variables are the TPU's weights: they live on the cores after training, and
 Keras' own ``get_weights``/``save_weights`` read them from there. Models
 created outside any scope are untouched CPU models.
@@ -47,13 +47,11 @@ import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
-from jax import lax
 from keras import tree
 
-from keras_tpu import _keras_private, pod, rewrite
-from keras_tpu._logging import logger
-from keras_tpu.cores import CORE_AXIS
-from keras_tpu.placement import Placement, installed_on
+from keras_tpu import _keras_private, _pod as pod, _rewrite as rewrite
+from keras_tpu._custom_steps import gradients_averaged_over_cores
+from keras_tpu._placement import Placement, installed_on
 
 _active = threading.local()
 
@@ -811,24 +809,6 @@ class _RecordingScope(keras.StatelessScope):
         super().add_update(update)
 
 
-@contextlib.contextmanager
-def _gradients_averaged_over_cores():
-    """While tracing one core's ``fn``: every Keras optimizer applies the cores' mean gradients, as a TPU
-    optimizer under ``TPUStrategy`` applies all-reduced ones (TensorFlow's ``apply_gradients`` sums the
-    replicas' gradients of a loss scaled by ``1 / num_replicas``: the same mean)."""
-    original = keras.optimizers.Optimizer.apply
-
-    def apply(optimizer, grads, trainable_variables=None):
-        grads = [None if g is None else lax.pmean(g, CORE_AXIS) for g in grads]
-        return original(optimizer, grads, trainable_variables)
-
-    keras.optimizers.Optimizer.apply = apply
-    try:
-        yield
-    finally:
-        keras.optimizers.Optimizer.apply = original
-
-
 def _combine_over_cores(variable, old, per_core):
     """A variable's value after every core assigned its own: by the variable's Keras aggregation."""
     aggregation = getattr(variable, "aggregation", "none")
@@ -873,7 +853,7 @@ class _RunProgram:
 
         def core_fn(values, replicated, sharded):
             mapping = list(zip(self.variables, values))
-            with _gradients_averaged_over_cores(), keras.StatelessScope(state_mapping=mapping) as scope:
+            with gradients_averaged_over_cores(), keras.StatelessScope(state_mapping=mapping) as scope:
                 outputs = self._call_fn(replicated, [jax.tree.map(lambda a: a[0], x) for x in sharded])
             position = {id(v): i for i, v in enumerate(self.variables)}  # (Keras variables compare by value)
             old_values = [values[position[id(v)]] for v in self.written]

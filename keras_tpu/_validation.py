@@ -17,7 +17,7 @@ exception that names the argument, the value and what to do.
   generator or ``keras.utils.PyDataset`` on its first batch (:func:`peek_first_batch`).
 * :func:`check_address`, :func:`check_worker_list`: TPU addresses and pod worker lists.
 * :func:`validated_call`: runs a model's ``fit``/``evaluate``/``predict``
-  (and ``*_on_batch``) after the checks; :mod:`keras_tpu.placement` installs
+  (and ``*_on_batch``) after the checks; :mod:`keras_tpu._placement` installs
   it on every TPU model.
 
 Example:
@@ -475,7 +475,7 @@ def _unpack_batch(batch):
 
 # -- the one entry point the placement calls ----------------------------------------------------------
 
-#: The model methods :mod:`keras_tpu.placement` runs through :func:`validated_call`.
+#: The model methods :mod:`keras_tpu._placement` runs through :func:`validated_call`.
 CHECKED_CALLS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
 _nesting = threading.local()
 

@@ -14,7 +14,7 @@ The TPU model is a ``keras.Model`` that shares the CPU model's layers and
 variables and keeps its compile settings; Keras' own ``fit``, ``evaluate`` and
 ``predict`` loops drive it (callbacks, progress bar, ``History``, data
 adapters), while each step runs as one program on the TPU's cores
-(:mod:`keras_tpu.replicated_steps`).
+(:mod:`keras_tpu._replicated_steps`).
 
 Weights move lazily: the first TPU step copies them to the cores, where they
 stay between calls; ``sync_to_cpu``, ``get_weights`` and ``save_weights``
@@ -29,11 +29,11 @@ import keras
 import numpy as np
 from keras import tree
 
-from keras_tpu import _keras_private, pod, weights
+from keras_tpu import _keras_private, _pod as pod, _weights as weights
 from keras_tpu._logging import logger
-from keras_tpu.placement import Placement, installed_on
-from keras_tpu.profiling import profile as _profile
-from keras_tpu.custom_steps import custom_step_methods
+from keras_tpu._placement import Placement, installed_on
+from keras_tpu._profiling import profile as _profile
+from keras_tpu._custom_steps import custom_step_methods
 
 
 TPUAssignment = collections.namedtuple("TPUAssignment", ["worker_name", "num_towers"])
@@ -449,7 +449,7 @@ class KerasTPUModel(keras.Model):
     def export(self, path):
         """Write the inference function (MXU numerics, any batch size) and its weights with
         ``jax.export``; load it with :func:`keras_tpu.load_exported`, no model code needed."""
-        from keras_tpu.export import export_model
+        from keras_tpu._export import export_model
 
         self.sync_to_cpu()
         if pod.is_chief():

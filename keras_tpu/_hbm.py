@@ -1,7 +1,7 @@
 """HBM, told truthfully: how much of a TPU core's memory one step of a program needs.
 
 A v2 core has 8 GiB of high-bandwidth memory (HBM), a v3 core 16 GiB
-(:mod:`keras_tpu.accelerators`). On a TPU, a program that does not fit fails at
+(:mod:`keras_tpu._accelerators`). On a TPU, a program that does not fit fails at
 compile time with ``ResourceExhaustedError`` listing its largest allocations.
 This host runs whatever it can hold, so this module computes what one core
 would need and says so before anything runs:
@@ -97,8 +97,8 @@ from jax.extend import core as jex_core
 from jax.extend import source_info_util
 
 from keras_tpu import _keras_private
-from keras_tpu.accelerators import GIB, accelerator_spec
-from keras_tpu.mxu.program import split_name_stack
+from keras_tpu._accelerators import GIB, accelerator_spec
+from keras_tpu.mxu._program import split_name_stack
 
 #: Set to 1 to run programs that exceed the accelerator's HBM anyway (see :meth:`HBMFootprint.check`).
 IGNORE_HBM_ENV = "KERAS_TPU_IGNORE_HBM"
@@ -339,7 +339,7 @@ def ignore_hbm_setting():
 # -- buffer liveness over a jaxpr ---------------------------------------------------------------
 
 # Operations XLA fuses into their consumers (elementwise, layout and cheap shape operations).
-_FUSIBLE = frozenset("""
+FUSIBLE = frozenset("""
     abs add and atan2 broadcast_in_dim cbrt ceil clamp convert_element_type copy copy_p cos cosh div eq erf erf_inv
     erfc exp exp2 expand_dims expm1 floor ge gt imag integer_pow iota is_finite le log log1p logistic lt max min mul
     ne neg nextafter not or pow real reduce_precision rem reshape round rsqrt select_n shift_left
@@ -347,14 +347,14 @@ _FUSIBLE = frozenset("""
     transpose xor
 """.split())
 # Elementwise operations XLA does not duplicate into several consumers (it computes them once and stores them).
-_EXPENSIVE = frozenset("atan2 cbrt cos cosh erf erf_inv erfc exp exp2 expm1 log log1p logistic pow rsqrt sin sinh "
+EXPENSIVE = frozenset("atan2 cbrt cos cosh erf erf_inv erfc exp exp2 expm1 log log1p logistic pow rsqrt sin sinh "
                        "sqrt tan tanh".split())
 # Calls whose body runs once, in place: inlined into the caller's program order.
-_INLINE = frozenset("pjit jit closed_call core_call custom_jvp_call custom_vjp_call custom_vjp_call_jaxpr remat "
+INLINE = frozenset("pjit jit closed_call core_call custom_jvp_call custom_vjp_call custom_vjp_call_jaxpr remat "
                     "checkpoint remat2 custom_lin shard_map".split())
 
 
-def _sub_jaxprs(eqn):
+def sub_jaxprs(eqn):
     found = []
     for value in eqn.params.values():
         for sub in value if isinstance(value, (tuple, list)) else (value,):
@@ -415,8 +415,8 @@ class _Liveness:
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             stack = prefix + eqn.source_info.name_stack
-            subs = _sub_jaxprs(eqn)
-            if name in _INLINE and len(subs) == 1 and len(subs[0].invars) == len(eqn.invars):
+            subs = sub_jaxprs(eqn)
+            if name in INLINE and len(subs) == 1 and len(subs[0].invars) == len(eqn.invars):
                 sub = subs[0]
                 sub_env = {var: _read(env, atom) for var, atom in zip(sub.invars, eqn.invars)
                            if _read(env, atom) is not None}
@@ -435,7 +435,7 @@ class _Liveness:
                 self.extra.append((self.steps, max(self._body_extra(sub) for sub in subs)))
             for var in eqn.outvars:
                 out = env[var] = self._fresh(var, name, stack)
-                if self.fused and name in _FUSIBLE and (name not in _EXPENSIVE or uses.get(var, 0) <= 1):
+                if self.fused and name in FUSIBLE and (name not in EXPENSIVE or uses.get(var, 0) <= 1):
                     self._maybe_fuse(out, inputs)
 
     def _fresh(self, var, primitive, stack, pinned=False):
@@ -716,7 +716,7 @@ def _state_variables(model, mode):
 def state_names(model, mode="train"):
     """The Keras variable paths of a TPU program's state, in its order, for ``argument_names``.
 
-    The state of the programs of :mod:`keras_tpu.replicated_steps`:
+    The state of the programs of :mod:`keras_tpu._replicated_steps`:
     ``(trainable, non_trainable, optimizer, metrics)`` in training,
     ``(trainable, non_trainable, metrics)`` in evaluation, ``(trainable,
     non_trainable)`` in prediction.

@@ -10,7 +10,7 @@ not part of what is simulated:
   statistics, dropout streams) is mapped over a *core axis* inside one device
   program, while the replicated state (weights, optimizer slots) exists once
   and is updated once. The cross-core all-reduce of the gradients becomes one
-  contraction over all rows (:mod:`keras_tpu.replicated_steps`), so no
+  contraction over all rows (:mod:`keras_tpu._replicated_steps`), so no
   cross-device collective is left to wait on: eight XLA:CPU devices meeting in
   collectives on two host cores could starve past XLA's rendezvous timeout
   and abort the process.
@@ -35,7 +35,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from keras_tpu import host
+from keras_tpu import _host as host
 
 DEVICE_AXIS = "tpu_device"
 CORE_AXIS = "tpu_core"

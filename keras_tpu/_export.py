@@ -51,7 +51,7 @@ def export_model(model, path, precision="default", pod_sync=False):
         (3, 2)
     """
     from keras_tpu import _keras_private
-    from keras_tpu.mxu.routing import route
+    from keras_tpu.mxu._routing import route
 
     inputs = _input_structure(model)
     trainable = [np.asarray(v.value) for v in model.trainable_variables]
@@ -75,7 +75,7 @@ def export_model(model, path, precision="default", pod_sync=False):
         np.savez(os.path.join(staging, WEIGHTS), **{f"t{i}": w for i, w in enumerate(trainable)},
                  **{f"n{i}": w for i, w in enumerate(non_trainable)})
         with open(os.path.join(staging, META), "w") as f:
-            json.dump({"format": "keras_tpu.export/1", "model": model.name, "precision": str(precision),
+            json.dump({"format": "keras_tpu._export/1", "model": model.name, "precision": str(precision),
                        "inputs": [{"name": n, "shape": list(s), "dtype": d} for n, s, d in inputs],
                        "outputs": output_names, "trainable": len(trainable), "non_trainable": len(non_trainable)},
                       f, indent=2)

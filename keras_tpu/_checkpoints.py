@@ -57,7 +57,8 @@ def _steps_on_disk(model_dir):
     return [int(m.group(1)) for m in (_NAME.search(p) for p in glob.glob(os.path.join(model_dir, "ckpt-*.npz"))) if m]
 
 
-def _read(path):
+def read_checkpoint(path):
+    """``(header, arrays)`` of one checkpoint file written by :func:`save` (the estimator reads one directly)."""
     with np.load(path, allow_pickle=False) as data:
         header = json.loads(bytes(data["header"]).decode())
         arrays = [data[f"a{i}"] for i in range(header["count"])]
@@ -78,7 +79,7 @@ def latest(model_dir):
         pass  # no index, or a damaged one: look at the files themselves
     for step in candidates:
         try:
-            header, arrays = _read(os.path.join(model_dir, f"ckpt-{step:08d}.npz"))
+            header, arrays = read_checkpoint(os.path.join(model_dir, f"ckpt-{step:08d}.npz"))
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
             continue  # unreadable: fall back to an older checkpoint
         return header["step"], arrays, header

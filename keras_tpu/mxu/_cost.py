@@ -34,7 +34,7 @@ bfloat16 operands and float32 results moved once.
 import dataclasses
 import math
 
-from keras_tpu.accelerators import GENERATIONS, accelerator_spec
+from keras_tpu._accelerators import GENERATIONS, accelerator_spec
 
 BF16_BYTES = 2
 F32_BYTES = 4
@@ -226,8 +226,8 @@ class GemmCost:
 
 
 def _spec(accelerator):
-    # Any AcceleratorSpec-like object: keras_tpu.accelerators' class or, while
-    # keras_tpu.cluster keeps its own copy of it, the cluster's (a Topology's spec).
+    # Any AcceleratorSpec-like object: keras_tpu._accelerators' class or, while
+    # keras_tpu._cluster keeps its own copy of it, the cluster's (a Topology's spec).
     if all(hasattr(accelerator, name) for name in ("mxu_rows", "mxu_cols", "mxus_per_core", "clock_hz")):
         return accelerator
     if isinstance(accelerator, str) and accelerator in GENERATIONS:

@@ -21,7 +21,7 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-from keras_tpu.mxu.numerics import PASS_PRODUCTS, _PARTS, canonical_precision
+from keras_tpu.mxu._numerics import PASS_PRODUCTS, PASS_PARTS, canonical_precision
 
 
 def to_bfloat16(x):
@@ -77,7 +77,7 @@ class SystolicArray:
         if a.ndim != 2 or w.ndim != 2 or a.shape[1] != w.shape[0]:
             raise ValueError(f"matmul needs [M, K] and [K, N] matrices; got {a.shape} and {w.shape}.")
         precision = canonical_precision(precision)
-        a_parts, w_parts = _split(a, _PARTS[precision]), _split(w, _PARTS[precision])
+        a_parts, w_parts = _split(a, PASS_PARTS[precision]), _split(w, PASS_PARTS[precision])
         total, cycles, folds, busy = None, 0, 0, 0
         for i, j in PASS_PRODUCTS[precision]:
             part = self._run_folds(a_parts[i], w_parts[j])

@@ -9,8 +9,8 @@ rewrite is structural (equations are swapped, nothing is re-traced) shapes,
 dtypes, weak types and the name stacks that tie operations to Keras layers
 are kept exactly.
 
-The MXU routing (:mod:`keras_tpu.mxu.routing`) and the vector-unit lowerings
-(:mod:`keras_tpu.vector_unit`) are rules.
+The MXU routing (:mod:`keras_tpu.mxu._routing`) and the vector-unit lowerings
+(:mod:`keras_tpu._vector_unit`) are rules.
 """
 
 import dataclasses
@@ -140,7 +140,7 @@ def transform(fun, rule):
     arrays; bind other arguments with ``functools.partial``.
 
     Example:
-        >>> from keras_tpu.mxu.routing import mxu_rule
+        >>> from keras_tpu.mxu import mxu_rule
         >>> fast = jax.jit(transform(lambda a, b: a @ b, mxu_rule("default")))
     """
     @functools.wraps(fun)

@@ -35,10 +35,10 @@ import keras
 from jax import lax
 from keras import tree
 
-from keras_tpu import _keras_private, pod, rewrite
+from keras_tpu import _keras_private, _pod as pod, _rewrite as rewrite
 from keras_tpu._logging import logger
-from keras_tpu.batching import describe_input_shapes
-from keras_tpu.cores import CORE_AXIS
+from keras_tpu._batching import describe_input_shapes
+from keras_tpu._cores import CORE_AXIS
 
 STEP_METHODS = ("train_step", "test_step", "predict_step")
 
@@ -63,18 +63,6 @@ def cores_for_rows(rows, num_cores):
     return max(c for c in range(1, num_cores + 1) if rows % c == 0)
 
 
-def _optimizers_of(model):
-    """Every Keras optimizer a model holds (``model.optimizer`` and attributes such as a GAN's two)."""
-    from keras import optimizers
-
-    found = []
-    candidates = [getattr(model, "optimizer", None)] + list(vars(model).values())
-    for value in candidates:
-        if isinstance(value, optimizers.Optimizer) and all(value is not f for f in found):
-            found.append(value)
-    return found
-
-
 @contextlib.contextmanager
 def _shadowed(objects, method, wrap):
     """While active, each object's ``method`` is ``wrap(obj, original)`` (an instance attribute shadows the
@@ -90,16 +78,15 @@ def _shadowed(objects, method, wrap):
             obj.__dict__.pop(method, None)
 
 
-def _gradients_averaged_over_cores(model):
-    """While tracing a core's step: each optimizer's ``stateless_apply`` gets the cores' mean gradients."""
-    def wrap(optimizer, original):
-        def apply(optimizer_variables, grads, trainable_variables):
-            grads = jax.tree.map(lambda g: None if g is None else lax.pmean(g, CORE_AXIS), grads,
-                                 is_leaf=lambda g: g is None)
-            return original(optimizer_variables, grads, trainable_variables)
-        return apply
+def gradients_averaged_over_cores():
+    """While tracing one core's step written by the user (a model's own ``train_step``, a
+    ``TPUStrategy.run`` replica function) in this thread: every Keras optimizer applies the cores' mean
+    gradients, as a TPU optimizer applies all-reduced ones (TensorFlow's ``CrossShardOptimizer`` and
+    ``TPUStrategy`` sum the replicas' gradients of a loss scaled by ``1 / num_replicas``: the same mean)."""
+    def core_mean(grads):
+        return [None if g is None else lax.pmean(g, CORE_AXIS) for g in grads]
 
-    return _shadowed(_optimizers_of(model), "stateless_apply", wrap)
+    return _keras_private.optimizers_apply(core_mean)
 
 
 def _metric_results_recorded(model, recorded):
@@ -124,7 +111,7 @@ def _rows(data):
 class CustomSteps:
     """The train, test and predict functions of a model with its own steps, for a core layout.
 
-    Used by :class:`keras_tpu.replicated_steps.ReplicatedSteps` for the modes the model overrides.
+    Used by :class:`keras_tpu._replicated_steps.ReplicatedSteps` for the modes the model overrides.
     """
 
     def __init__(self, steps):
@@ -168,7 +155,7 @@ class CustomSteps:
                 seeded = builder._offset_seeds(non_trainable, core_id, +1)
                 core_state = (state[0], seeded) + tuple(state[2:])
                 recorded = []
-                with _gradients_averaged_over_cores(model), _metric_results_recorded(model, recorded):
+                with gradients_averaged_over_cores(), _metric_results_recorded(model, recorded):
                     logs, new_state = (model.train_step if mode == "train" else model.test_step)(core_state, data)
                 for key, value in logs.items():
                     log_sources.update({key: name for result, name in recorded if result is value})

@@ -346,7 +346,7 @@ def conv_layout(dimension_numbers):
 
 
 def conv_gemm(lhs_shape, rhs_shape, out_shape, dimension_numbers, feature_group_count, batch_group_count):
-    """``(groups, M, K, N)`` of a convolution mapped by im2col (as :mod:`keras_tpu.mxu.program` does)."""
+    """``(groups, M, K, N)`` of a convolution mapped by im2col (as :mod:`keras_tpu.mxu._program` does)."""
     lspec, rspec, ospec = dimension_numbers
     groups = feature_group_count * batch_group_count
     m = out_shape[ospec[0]] * math.prod(out_shape[i] for i in ospec[2:])

@@ -13,10 +13,10 @@ An op that asks for more than the default precision (``precision=HIGH`` or
 Integer and float64 products stay off the MXU.
 
 The rule and :func:`route` are defined beside the primitives, in
-:mod:`keras_tpu.mxu.primitives` (whose autodiff and batching rules route the
+:mod:`keras_tpu.mxu._primitives` (whose autodiff and batching rules route the
 ops they build); this module is their public home.
 """
 
-from keras_tpu.mxu.primitives import mxu_rule, route
+from keras_tpu.mxu._primitives import mxu_rule, route
 
 __all__ = ["mxu_rule", "route"]
