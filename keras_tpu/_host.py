@@ -93,6 +93,7 @@ def prepare_host():
 
         workers, task_index = pod.workers_from_environment()
         pod.heartbeat_timeout_s()  # read again when a pod is joined; a malformed value is reported now
+        pod.startup_timeout_s()
         if len(workers) > 1:
             pod.start(workers, task_index)
 

@@ -13,11 +13,14 @@ Keras' data adapters use) with the first worker's seed.
 
 If a worker dies, the others notice within the heartbeat timeout
 (:func:`heartbeat_timeout_s`) or as soon as a collective fails, and stop with
-an error; restarting all workers resumes from the last checkpoint.
+an error; restarting all workers resumes from the last checkpoint. A worker
+that never joins (dead before it started, or unreachable) stops the others
+with :class:`WorkerLostError` after the start-up timeout (:func:`startup_timeout_s`).
 """
 
 import os
 import random
+import threading
 import zlib
 
 import jax
@@ -31,6 +34,13 @@ def heartbeat_timeout_s():
     (``KERAS_TPU_HEARTBEAT_TIMEOUT``, 10 by default; read when the pod is joined)."""
     return validation.check_environment_integer(
         "KERAS_TPU_HEARTBEAT_TIMEOUT", os.environ.get("KERAS_TPU_HEARTBEAT_TIMEOUT", "10"))
+
+
+def startup_timeout_s():
+    """Seconds a worker waits for every worker of the pod to join it (``KERAS_TPU_STARTUP_TIMEOUT``,
+    120 by default; read when the pod is joined)."""
+    return validation.check_environment_integer(
+        "KERAS_TPU_STARTUP_TIMEOUT", os.environ.get("KERAS_TPU_STARTUP_TIMEOUT", "120"))
 
 
 class WorkerLostError(RuntimeError):
@@ -67,11 +77,15 @@ def start(workers, task_index):
         return
     if not 0 <= task_index < len(workers):
         raise ValueError(f"Task index {task_index} is out of range for {len(workers)} workers.")
+    heartbeat, startup = heartbeat_timeout_s(), startup_timeout_s()
     try:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=workers[0], num_processes=len(workers),
-                                   process_id=int(task_index), heartbeat_timeout_seconds=heartbeat_timeout_s(),
-                                   initialization_timeout=120)
+        # JAX's own limit is a backstop (it ends the process without naming anyone): _join_within's comes first.
+        _join_within(startup, workers, task_index, lambda: jax.distributed.initialize(
+            coordinator_address=workers[0], num_processes=len(workers), process_id=int(task_index),
+            heartbeat_timeout_seconds=heartbeat, initialization_timeout=startup + 60))
+    except WorkerLostError:
+        raise
     except RuntimeError as error:
         if "before" in str(error) or "already" in str(error):
             raise RuntimeError(
@@ -83,6 +97,33 @@ def start(workers, task_index):
     _check_workers_agree(workers, task_index)
     _agree_on_host_seed()
     logger.info("Joined the TPU pod as worker %d of %d (coordinator %s).", task_index, len(workers), workers[0])
+
+
+def _join_within(timeout, workers, task_index, join):
+    """Run ``join()`` (JAX's connection to the pod, which waits for every worker) for at most ``timeout``
+    seconds; past that raise :class:`WorkerLostError`. (JAX's wait cannot be interrupted: it goes on in
+    a daemon thread, and only its error, if it fails first, is raised here.)"""
+    done, failure = threading.Event(), []
+
+    def run():
+        try:
+            join()
+        except BaseException as error:  # handed to the waiting thread
+            failure.append(error)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="keras-tpu-join-pod", daemon=True).start()
+    if not done.wait(timeout):
+        others = [f"{i} ({address})" for i, address in enumerate(workers) if i != task_index]
+        who = f"worker {others[0]}" if len(others) == 1 else "one or more of workers " + ", ".join(others)
+        raise WorkerLostError(
+            f"Worker {task_index} of the TPU pod waited {timeout} s (KERAS_TPU_STARTUP_TIMEOUT) for the other "
+            f"workers to join, but {who} did not (not started, stopped during start-up, or unable to reach the "
+            f"coordinator {workers[0]}). Start (or restart) every worker with the same KERAS_TPU_WORKERS; raise "
+            f"KERAS_TPU_STARTUP_TIMEOUT if workers start far apart.")
+    if failure:
+        raise failure[0]
 
 
 def _check_workers_agree(workers, task_index):
@@ -170,5 +211,11 @@ def barrier(name):
     if is_multi_worker():
         from jax.experimental import multihost_utils
 
-        multihost_utils.sync_global_devices(name)
+        try:
+            multihost_utils.sync_global_devices(name)
+        except jax.errors.JaxRuntimeError as error:  # the collective with a worker that is gone failed
+            raise WorkerLostError(
+                f"Worker {jax.process_index()} of the TPU pod stopped waiting for the others at {name!r} because "
+                f"a worker stopped ({error}). Restart all workers; training resumes from the last checkpoint."
+            ) from error
 

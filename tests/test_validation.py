@@ -207,6 +207,7 @@ MISTAKES = {
     "a malformed `KERAS_TPU_WORKERS`":
         lambda: in_process_with({"KERAS_TPU_WORKERS": "10.0.0.2:8470,10.0.0.3", "KERAS_TPU_TASK_INDEX": "0"}),
     "a non-integer `KERAS_TPU_HEARTBEAT_TIMEOUT`": lambda: in_process_with({"KERAS_TPU_HEARTBEAT_TIMEOUT": "10s"}),
+    "a non-integer `KERAS_TPU_STARTUP_TIMEOUT`": lambda: in_process_with({"KERAS_TPU_STARTUP_TIMEOUT": "2m"}),
     "a resolver naming another pod than the one this process joined": None,  # needs monkeypatch, see below
     "pod workers given different worker lists": None,  # needs tmp_path, see below
     "pod workers simulating different numbers of cores": None,
