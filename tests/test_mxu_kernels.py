@@ -315,6 +315,12 @@ def test_bf16_host_table_takes_native_forms_only_where_they_were_measured_faster
     assert choice("dot", "forward", (1, 1024, 784, 1024)) == kernels.BF16
     assert choice("dot", "rhs_transposed", (1, 1024, 1024, 784)) == kernels.BF16
     assert choice("dot", "lhs_transposed", (1, 1024, 1024, 784)) == kernels.BF16_CANONICAL
+    # The 4096-wide MLP of benchmarks/big_models.py (256 rows in all): native forward and input-gradient
+    # products, round_f32 weight gradients (a bf16 one contracting 256 rows lost in the step).
+    assert choice("dot", "forward", (1, 256, 4096, 4096)) == kernels.BF16
+    assert choice("dot", "rhs_transposed", (1, 256, 4096, 4096)) == kernels.BF16
+    assert choice("dot", "lhs_transposed", (1, 4096, 256, 4096)) == kernels.ROUND_F32
+    assert choice("dot", "forward", (1, 128, 4096, 4096)) == kernels.ROUND_F32
     # Narrow outputs (a 10-class head), attention-sized batched dots and weight gradients
     # contracting over very many rows measured faster as round_f32.
     assert choice("dot", "forward", (1, 1024, 1024, 10)) == kernels.ROUND_F32

@@ -103,10 +103,10 @@ entry a form or a :class:`ShapeRule` (a form above a shape threshold,
 ``round_f32`` below it):
 
 * ``"no_bf16"``: ``round_f32`` for every op.
-* ``"bf16"``: dots in the forward layout ``bf16`` when M, N >= 64 and
-  K >= 64; input-gradient layout (rhs transposed) ``bf16`` when M, N >= 128;
-  weight-gradient layout (lhs transposed) ``bf16_canonical`` when M, N >= 64
-  and K <= 4096; ``round_f32`` for other dots; ``taps`` for convolutions of
+* ``"bf16"``: dots in the forward layout ``bf16`` when M >= 256, N >= 64 and
+  K >= 64; input-gradient layout (rhs transposed) ``bf16`` when M >= 256 and
+  N >= 128; weight-gradient layout (lhs transposed) ``bf16_canonical`` when
+  M, N >= 64 and 512 <= K <= 4096; ``round_f32`` for other dots; ``taps`` for convolutions of
   at least 8 groups of at most 4 output features each in the forward and
   input-gradient layouts (:class:`GroupedRule`), ``round_f32`` for other
   convolutions. The dot figures assume YNNPACK dots, which
@@ -221,12 +221,14 @@ class GroupedRule:
 BUILTIN_TABLES = {
     "no_bf16": {},  # round_f32 everywhere (measured: no bf16 form faster in any layout)
     "bf16": {
-        # Rows (M of the forward and input-gradient products, K of the weight gradient) >= 512: inside a
-        # whole training step, the 4096-wide MLP of benchmarks/big_models.py at 256 rows trained in 0.57 s per
-        # step with native bf16 dots against 0.30 s with round_f32, although the same dots alone run faster in
-        # bf16; at 1024 rows (the 784-1024-1024-10 MLP) native bf16 wins in the step too (55 vs 86 ms).
-        ("dot", "forward"): ShapeRule(BF16, min_free=64, min_k=64, min_m=512),
-        ("dot", "rhs_transposed"): ShapeRule(BF16, min_free=128, min_m=512),
+        # Rows: M >= 256 for the forward and input-gradient products, K >= 512 for the weight gradient. In a
+        # whole training step of the 4096-wide MLP of benchmarks/big_models.py (256 rows, 8 cores of 32 vmapped
+        # into one 256-row product) native bf16 forward and input-gradient dots with round_f32 weight gradients
+        # ran 0.36-0.38 s of CPU per step against 0.52-0.55 s with round_f32 everywhere (plain Keras 0.46-0.50);
+        # a bf16_canonical weight gradient contracting only 256 rows is what lost (1.0 s per step with it). At
+        # 1024 rows (the 784-1024-1024-10 MLP) native bf16 wins in all three layouts (55 vs 86 ms).
+        ("dot", "forward"): ShapeRule(BF16, min_free=64, min_k=64, min_m=256),
+        ("dot", "rhs_transposed"): ShapeRule(BF16, min_free=128, min_m=256),
         ("dot", "lhs_transposed"): ShapeRule(BF16_CANONICAL, min_free=64, min_k=512, max_k=4096),
         ("conv", "forward"): GroupedRule(),
         ("conv", "input_grad"): GroupedRule(),
