@@ -86,7 +86,7 @@ import keras
 import numpy as np
 from keras import tree
 
-from keras_tpu import _checkpoints as checkpoints
+from keras_tpu import _checkpoints as checkpoints, _validation as validation
 from keras_tpu._logging import logger
 from keras_tpu._cluster import TPUClusterResolver
 from keras_tpu._placement import Placement
@@ -829,6 +829,9 @@ class TPUEstimator:
         self._cpu = None
         self._topology = self._tpu.topology if self._tpu is not None else None
         self._job_name = self._tpu.resolver.job_name if self._tpu is not None else "worker"
+        for argument, size in (("train_batch_size", train_batch_size), ("eval_batch_size", eval_batch_size),
+                               ("predict_batch_size", predict_batch_size)):
+            validation.check_batch_size(size, argument, call="TPUEstimator")
         self.batch_sizes = {ModeKeys.TRAIN: train_batch_size, ModeKeys.EVAL: eval_batch_size,
                             ModeKeys.PREDICT: predict_batch_size or eval_batch_size}
         for mode, size in self.batch_sizes.items():

@@ -18,6 +18,7 @@ import pytest
 
 import keras_tpu
 from keras_tpu import _process, _pod as pod, _validation as validation, _weights as weights
+from keras_tpu import estimator as tpu_estimator
 from tests.conftest import REPO, run_python
 
 README = os.path.join(REPO, "README.md")
@@ -174,6 +175,11 @@ MISTAKES = {
     "`x` and `y` with different numbers of rows": lambda: tpu_classifier().fit(X, Y[:10]),
     "`x` of a shape the model does not take": lambda: classifier().fit(np.ones((32, 5)), Y),
     "`fit(..., batch_size=0)`": lambda: classifier().fit(X, Y, batch_size=0),
+    "`TPUEstimator(train_batch_size=0)` (or a negative, non-integer eval/predict batch size)":
+        lambda: tpu_estimator.TPUEstimator(model_fn=lambda features, labels, mode, params: None, train_batch_size=0),
+    "`TPUEstimator(train_batch_size=100)` on 8 cores":
+        lambda: tpu_estimator.TPUEstimator(model_fn=lambda features, labels, mode, params: None,
+                                           train_batch_size=100),
     "`fit(..., batch_size=-8)`": lambda: tpu_classifier().fit(X, Y, batch_size=-8),
     "`batch_size` not an integer (`2.5`, `\"64\"`)": lambda: classifier().evaluate(X, Y, batch_size="64"),
     "`fit(..., steps_per_epoch=0)`": lambda: classifier().fit(X, Y, steps_per_epoch=0),
@@ -358,3 +364,12 @@ def test_right_weights_still_load_and_skip_mismatch_still_skips(tmp_path):
     weights.load_weights(other, str(tmp_path / "w.h5"), by_name=True, skip_mismatch=True)
     with h5py.File(tmp_path / "w.h5") as f:  # the file was only read
         assert sorted(f.attrs["layer_names"]) == ["hidden", "logits"]
+
+
+@pytest.mark.parametrize("argument, value", [("eval_batch_size", -8), ("predict_batch_size", 2.5),
+                                             ("train_batch_size", "1024")])
+def test_tpu_estimator_refuses_batch_sizes_that_are_not_positive_integers(argument, value, tmp_path):
+    with pytest.raises(ValueError, match=re.escape(f"TPUEstimator({argument}={value!r}): the batch size must be a "
+                                                   "positive integer")):
+        tpu_estimator.TPUEstimator(model_fn=lambda features, labels, mode, params: None, model_dir=str(tmp_path),
+                                   **{argument: value})
