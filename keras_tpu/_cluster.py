@@ -95,7 +95,8 @@ class TPUClusterResolver:
         credentials, service, discovery_url: no effect (Google Cloud API
             access; no API is called).
         accelerator_type: the simulated TPU type, e.g. ``"v2-8"`` (default),
-            ``"v3-8"``, ``"v4-8"``, ``"v5litepod-8"``.
+            ``"v3-8"``, ``"v4-8"``, ``"v5litepod-8"``. In a pod, a named type
+            must have as many cores as the pod simulates.
         task_index: this process's index among the workers of a pod
             (default: ``KERAS_TPU_TASK_INDEX`` or 0).
 
@@ -107,7 +108,7 @@ class TPUClusterResolver:
 
     def __init__(self, tpu=None, zone=None, project=None, job_name="worker", coordinator_name=None,
                  coordinator_address=None, credentials="default", service=None, discovery_url=None, *,
-                 accelerator_type=DEFAULT_ACCELERATOR_TYPE, task_index=None):
+                 accelerator_type=None, task_index=None):
         self.zone = zone
         self.project = project
         self.job_name = job_name
@@ -117,7 +118,8 @@ class TPUClusterResolver:
         self.task_type = job_name  # TensorFlow's task of a TPU resolver: the first worker
         self.task_id = 0
         self.rpc_layer = "grpc"
-        self.spec, self.total_cores = accelerator_spec(accelerator_type)
+        self.accelerator_type_given = accelerator_type is not None  # a pod must then simulate that many cores
+        self.spec, self.total_cores = accelerator_spec(accelerator_type or DEFAULT_ACCELERATOR_TYPE)
         self.accelerator_type = f"{self.spec.generation}-{self.total_cores}"
         self.tpu, self.workers = self._resolve_workers(tpu)
         if task_index is None:  # the environment names this process's place in a pod
@@ -332,6 +334,27 @@ def experimental_connect_to_cluster(cluster_spec_or_resolver, job_name="localhos
         logger.info("Connecting to %s (the TPU is simulated in this process).", resolver.master())
 
 
+def _check_pod_matches_type(resolver, workers, cores_per_worker):
+    """A pod simulates ``workers x KERAS_TPU_CORES_PER_WORKER`` cores; an accelerator type the user named must
+    have as many (a v2-32 is 4 hosts of 8 cores). The default type is only a default: a pod of another size
+    keeps v2's per-core figures, with a warning."""
+    simulated = workers * cores_per_worker
+    if simulated == resolver.total_cores:
+        return
+    if resolver.accelerator_type_given:
+        per_worker, rest = divmod(resolver.total_cores, workers)
+        fix = f"set KERAS_TPU_CORES_PER_WORKER={per_worker} on every worker" if per_worker and not rest else \
+            f"run {resolver.total_cores // cores_per_worker or 1} workers"
+        raise ValueError(
+            f"accelerator_type={resolver.accelerator_type!r} has {resolver.total_cores} cores, but this pod "
+            f"simulates {simulated} ({workers} workers x KERAS_TPU_CORES_PER_WORKER={cores_per_worker}). To "
+            f"simulate a {resolver.accelerator_type}, {fix}; otherwise pass the accelerator type of "
+            f"{simulated} cores.")
+    logger.warning("This pod simulates %d cores (%d workers x KERAS_TPU_CORES_PER_WORKER=%d), not the default "
+                   "accelerator type's %d; pass accelerator_type= to the resolver to name the TPU it stands for.",
+                   simulated, workers, cores_per_worker, resolver.total_cores)
+
+
 def initialize_tpu_system(cluster_resolver=None):
     """Start the simulated TPU and return its :class:`Topology`.
 
@@ -358,6 +381,7 @@ def initialize_tpu_system(cluster_resolver=None):
     workers, cores_per_worker = resolver.num_workers, resolver.cores_per_worker
     if pod.is_multi_worker():  # this process belongs to a pod: the pod is the TPU
         workers, cores_per_worker = pod.num_workers(), host.cores_per_worker()
+        _check_pod_matches_type(resolver, workers, cores_per_worker)
     where = resolver.master() or "local"
     started = _process.STATE.topology
     if started is not None and started.accelerator_type == resolver.accelerator_type \

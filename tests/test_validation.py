@@ -215,6 +215,7 @@ MISTAKES = {
     "a non-integer `KERAS_TPU_HEARTBEAT_TIMEOUT`": lambda: in_process_with({"KERAS_TPU_HEARTBEAT_TIMEOUT": "10s"}),
     "a non-integer `KERAS_TPU_STARTUP_TIMEOUT`": lambda: in_process_with({"KERAS_TPU_STARTUP_TIMEOUT": "2m"}),
     "a resolver naming another pod than the one this process joined": None,  # needs monkeypatch, see below
+    "an `accelerator_type` of another size than the pod": None,  # needs monkeypatch, see below
     "pod workers given different worker lists": None,  # needs tmp_path, see below
     "pod workers simulating different numbers of cores": None,
     "`load_weights` of a truncated `.h5`": None,
@@ -234,6 +235,14 @@ def with_fixtures(mistake, tmp_path, monkeypatch, caplog):
     if mistake == "a resolver naming another pod than the one this process joined":
         monkeypatch.setattr(_process.STATE, "pod", (("10.0.0.2:8476", "10.0.0.3:8476"), 0))
         return lambda: keras_tpu.initialize_tpu_system(keras_tpu.TPUClusterResolver(["10.0.0.2:8476", "10.0.0.4:8476"]))
+    if mistake == "an `accelerator_type` of another size than the pod":
+        workers = ("10.0.0.2:8476", "10.0.0.3:8476")
+        monkeypatch.setattr(_process.STATE, "pod", (workers, 0))
+        monkeypatch.setattr(pod, "is_multi_worker", lambda: True)
+        monkeypatch.setattr(pod, "num_workers", lambda: 2)
+        monkeypatch.setenv("KERAS_TPU_CORES_PER_WORKER", "4")
+        return lambda: keras_tpu.initialize_tpu_system(
+            keras_tpu.TPUClusterResolver(list(workers), accelerator_type="v2-32", task_index=0))
     if mistake == "pod workers given different worker lists":
         return lambda: pod_of_two(tmp_path, {"KERAS_TPU_WORKERS": "{first},{third}"})
     if mistake == "pod workers simulating different numbers of cores":
