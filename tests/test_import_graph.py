@@ -46,11 +46,24 @@ def _resolve(name, modules):
     return name if name in modules else None
 
 
+def _parsed(path):
+    """The module's syntax tree, and whether it is a package's ``__init__``."""
+    with open(path, encoding="utf-8") as f:
+        return ast.parse(f.read(), filename=path), os.path.basename(path) == "__init__.py"
+
+
+def _from_source(module, node, is_package):
+    """The absolute name of the module a ``from ... import`` statement in ``module`` imports from."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def imported_modules(module, path, modules):
     """The keras_tpu modules ``module`` imports anywhere in its source."""
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), filename=path)
-    is_package = os.path.basename(path) == "__init__.py"
+    tree, is_package = _parsed(path)
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -59,12 +72,7 @@ def imported_modules(module, path, modules):
                 if target:
                     found.add(target)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = module.split(".") if is_package else module.split(".")[:-1]
-                base = base[:len(base) - (node.level - 1)]
-                source = ".".join(base + ([node.module] if node.module else []))
-            else:
-                source = node.module or ""
+            source = _from_source(module, node, is_package)
             if source != PACKAGE and not source.startswith(PACKAGE + "."):
                 continue
             for alias in node.names:
@@ -135,9 +143,7 @@ def private_name_reads(module, path, modules):
     to a keras_tpu module by an import. A private *module* (``keras_tpu._files``) may be imported;
     the names it keeps private may not be read from outside it.
     """
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), filename=path)
-    is_package = os.path.basename(path) == "__init__.py"
+    tree, is_package = _parsed(path)
     aliases, reads = {}, []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -145,12 +151,7 @@ def private_name_reads(module, path, modules):
                 if alias.name in modules and alias.asname:
                     aliases[alias.asname] = alias.name
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = module.split(".") if is_package else module.split(".")[:-1]
-                base = base[:len(base) - (node.level - 1)]
-                source = ".".join(base + ([node.module] if node.module else []))
-            else:
-                source = node.module or ""
+            source = _from_source(module, node, is_package)
             if source not in modules:
                 continue
             for alias in node.names:
