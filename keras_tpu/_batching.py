@@ -84,6 +84,8 @@ class BatchStacker:
             if leaves[0] is None:
                 return None
             first = np.asarray(leaves[0])
+            if steps == 1 and len(first) == padded:  # one full batch: a view with a steps axis, no copy
+                return first[:, None]
             out = np.zeros((padded, steps) + first.shape[1:], dtype=first.dtype)
             for step, leaf in enumerate(leaves):
                 out[:len(leaf), step] = np.asarray(leaf)
