@@ -9,6 +9,7 @@ float64 reference on the bfloat16-rounded operands.
 """
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -315,25 +316,48 @@ def test_bf16_host_table_takes_native_forms_only_where_they_were_measured_faster
     assert choice("dot", "forward", (1, 1024, 784, 1024)) == kernels.BF16
     assert choice("dot", "rhs_transposed", (1, 1024, 1024, 784)) == kernels.BF16
     assert choice("dot", "lhs_transposed", (1, 1024, 1024, 784)) == kernels.BF16_CANONICAL
-    # The 4096-wide MLP of benchmarks/big_models.py (256 rows in all): native forward and input-gradient
-    # products, round_f32 weight gradients (a bf16 one contracting 256 rows lost in the step).
+    # The 4096-wide MLP of benchmarks/big_models.py (256 rows in all) and the LSTM's per-step products (256
+    # rows): native in all three layouts, weight gradients contracting the 256 rows included.
     assert choice("dot", "forward", (1, 256, 4096, 4096)) == kernels.BF16
     assert choice("dot", "rhs_transposed", (1, 256, 4096, 4096)) == kernels.BF16
-    assert choice("dot", "lhs_transposed", (1, 4096, 256, 4096)) == kernels.ROUND_F32
-    assert choice("dot", "forward", (1, 128, 4096, 4096)) == kernels.ROUND_F32
-    # Narrow outputs (a 10-class head), attention-sized batched dots and weight gradients
-    # contracting over very many rows measured faster as round_f32.
+    assert choice("dot", "lhs_transposed", (1, 4096, 256, 4096)) == kernels.BF16_CANONICAL
+    assert choice("dot", "lhs_transposed", (1, 1024, 256, 64)) == kernels.BF16_CANONICAL
+    # The Transformer's FFN weight gradients contract 16384 rows: native too.
+    assert choice("dot", "lhs_transposed", (1, 128, 16384, 512)) == kernels.BF16_CANONICAL
+    assert choice("dot", "forward", (1, 64, 4096, 4096)) == kernels.ROUND_F32
+    # Narrow outputs (a 10-class head), attention-sized batched dots and thin input gradients
+    # measured faster as round_f32.
     assert choice("dot", "forward", (1, 1024, 1024, 10)) == kernels.ROUND_F32
     assert choice("dot", "lhs_transposed", (1, 10, 1024, 1024)) == kernels.ROUND_F32
     assert choice("dot", "forward", (1024, 64, 32, 64)) == kernels.ROUND_F32
     assert choice("dot", "rhs_transposed", (1024, 32, 64, 64)) == kernels.ROUND_F32
-    assert choice("dot", "lhs_transposed", (1, 128, 16384, 512)) == kernels.ROUND_F32
+    assert choice("dot", "rhs_transposed", (1, 128, 512, 3136)) == kernels.ROUND_F32
     assert choice("dot", "both_transposed", (1, 1024, 1024, 1024)) == kernels.ROUND_F32
     # No native bf16 convolution form was faster than XLA's float32 one.
     for layout in kernels.CONV_LAYOUTS:
         assert choice("conv", layout, (1, 131072, 288, 32)) == kernels.ROUND_F32
     # Hosts without bf16 instructions keep round_f32 everywhere.
     assert kernels.builtin_choice("no_bf16", "dot", "forward", (1, 1024, 784, 1024)) == kernels.ROUND_F32
+
+
+@pytest.mark.skipif(kernels.host_class() != "bf16", reason="XLA:CPU keeps bf16 dots only on hosts with bf16 instructions")
+@pytest.mark.parametrize("form", [kernels.BF16_CANONICAL, kernels.BF16_SWAPPED])
+def test_a_transposed_bf16_operand_reaches_the_compiled_dot_in_bf16(form):
+    # A weight gradient (contracting the rows of both operands, under vmap over the cores) in a form that
+    # transposes an operand: XLA:CPU must run the dot on bf16 operands. It converted them to float32 when
+    # the transpose was only a change of layout, which made these forms as slow as float32.
+    g, x = jnp.ones((8, 128, 256), jnp.float32), jnp.ones((8, 128, 192), jnp.float32)
+    dimension_numbers = (((0, 1), (0, 1)), ((), ()))
+    step = jax.jit(lambda g, x: kernels.dot_pass(g, x, dimension_numbers, form).T * 2.0,
+                   compiler_options=kernels.compiler_options("train") or None)
+    compiled = step.lower(g, x).compile()
+    text = compiled.as_text()
+    dots = re.findall(r"= \S+ dot\(%([\w.\-]+), %([\w.\-]+)\)", text)
+    assert dots
+    for operands in dots:
+        for name in operands:
+            assert re.search(rf"%{re.escape(name)} = bf16\[", text), (name, text)
+    np.testing.assert_array_equal(np.asarray(compiled(g, x)), np.full((192, 256), 2.0 * 1024))
 
 
 DEPTHWISE_CASES = ["depthwise", "depthwise_dilated", "depthwise_multiplier", "depthwise_nchw"]

@@ -41,14 +41,15 @@ op (layout)                                round_f32 / native      ratio
 =========================================  ======================  ==================
 dot 1024x784x1024 forward (MLP layer)      208 / 369 (bf16)        1.78
 dot 1024x1024x784 input grad               202 / 373 (bf16)        1.85
-dot 1024x1024x784 weight grad              149 / 182 (swapped)     1.22 (canonical 1.10)
-dot 1024x256x64 weight grad (LSTM input)   34 / 103 (canonical)    3.1
+dot 1024x1024x784 weight grad              181 / 378 (swapped)     2.09 (canonical 1.99)
+dot 1024x256x64 weight grad (LSTM input)   37 / 146 (canonical)    3.9
+dot 1024x256x256 weight grad (LSTM gates)  108 / 270 (canonical)   2.5
 dot 256x256x1024 forward (LSTM gates)      158 / 215 (canonical)   1.36
 dot 16384x128x128 forward (projection)     135 / 231 (bf16)        1.71
 dot 16384x96x256 input grad                160 / 270 (bf16)        1.68
 dot 1024x1024x10 forward (10-class head)   84 / 55                 0.65
-dot 10x1024x1024 weight grad (head)        71 / 33                 0.47
-dot 128x16384x512 weight grad (FFN)        91 / 58                 0.64
+dot 10x1024x1024 weight grad (head)        56 / 59                 1.05
+dot 128x16384x512 weight grad (FFN)        115 / 200 (canonical)   1.74
 dot 1024x 32x64x64 input grad (attention)  78 / 48                 0.62
 dot 1024x 64x32x64 forward (attention)     126 / 113               0.90
 dot attention scores (both transposed)     45 / 56 (bf16)          1.24 (default 1.15)
@@ -63,9 +64,11 @@ With YNNPACK fusions off (today's training programs), the same dots run
 0.44-0.95x in a bf16 form (1024^3 forward: 195 / 185; 16384x512x128: 158 /
 69), except a few weight gradients (``bf16_canonical`` 1.7x on 1024x256x64).
 The native wins are shape-dependent: both free dimensions must be wide (a
-10-class head loses), a weight gradient must not contract over very many rows
-(the Transformer's 16384-row FFN gradients lose), and the small batched
-attention dots lose or tie. Native bf16 convolutions do not pay: in 72
+10-class head loses) and the small batched attention dots lose or tie.
+(The weight-gradient figures are from ``benchmarks/results/mxu_kernels_bf16_host_dots.log``,
+after :func:`_materialized_transpose` was made to move the data: before,
+XLA:CPU ran every transposed-operand form in float32, and weight gradients
+measured 0.5-1.2x.) Native bf16 convolutions do not pay: in 72
 cases (the zoo's CIFAR CNN, ResNet and pointwise convolutions, forward and
 both gradients, two or three option sets) they ran 0.39-1.04x, except three
 small ones (a strided 3x3 input gradient 1.24-1.68x, two weight gradients
@@ -87,7 +90,10 @@ the automatic choice, 50-54 with ``bf16``/``bf16_canonical`` everywhere,
 75-84 with ``round_f32``, 96-106 with ``bf16_swapped`` (with YNNPACK fusions
 off: 86-98 auto, 86-93 ``round_f32``); MobileNet at batch 512, 4.0 s auto
 against 15.4 s ``round_f32``; the CIFAR-10 CNN at batch 1024, 2.2-2.3 s in
-every form (its convolutions, on ``round_f32``, dominate).
+every form (its convolutions, on ``round_f32``, dominate). With the weight
+gradients native too (the table below; wall ms per train step, best of 3-6
+interleaved rounds against plain Keras in the same process): the MLP 26.5 vs
+30.0, the char LSTM 446 vs 562, the Transformer 312 vs 395.
 
 *Intel Xeon "Cascade Lake"* (AVX-512 and VNNI, *no* BF16; host class
 ``"no_bf16"``; measured before): XLA:CPU either hands a bf16 dot to
@@ -103,10 +109,10 @@ entry a form or a :class:`ShapeRule` (a form above a shape threshold,
 ``round_f32`` below it):
 
 * ``"no_bf16"``: ``round_f32`` for every op.
-* ``"bf16"``: dots in the forward layout ``bf16`` when M >= 256, N >= 64 and
+* ``"bf16"``: dots in the forward layout ``bf16`` when M >= 128, N >= 64 and
   K >= 64; input-gradient layout (rhs transposed) ``bf16`` when M >= 256 and
   N >= 128; weight-gradient layout (lhs transposed) ``bf16_canonical`` when
-  M, N >= 64 and 512 <= K <= 4096; ``round_f32`` for other dots; ``taps`` for convolutions of
+  M, N >= 64 and K >= 128; ``round_f32`` for other dots; ``taps`` for convolutions of
   at least 8 groups of at most 4 output features each in the forward and
   input-gradient layouts (:class:`GroupedRule`), ``round_f32`` for other
   convolutions. The dot figures assume YNNPACK dots, which
@@ -221,15 +227,14 @@ class GroupedRule:
 BUILTIN_TABLES = {
     "no_bf16": {},  # round_f32 everywhere (measured: no bf16 form faster in any layout)
     "bf16": {
-        # Rows: M >= 256 for the forward and input-gradient products, K >= 512 for the weight gradient. In a
-        # whole training step of the 4096-wide MLP of benchmarks/big_models.py (256 rows, 8 cores of 32 vmapped
-        # into one 256-row product) native bf16 forward and input-gradient dots with round_f32 weight gradients
-        # ran 0.36-0.38 s of CPU per step against 0.52-0.55 s with round_f32 everywhere (plain Keras 0.46-0.50);
-        # a bf16_canonical weight gradient contracting only 256 rows is what lost (1.0 s per step with it). At
-        # 1024 rows (the 784-1024-1024-10 MLP) native bf16 wins in all three layouts (55 vs 86 ms).
-        ("dot", "forward"): ShapeRule(BF16, min_free=64, min_k=64, min_m=256),
+        # benchmarks/results/mxu_kernels_bf16_host_dots.log (YNNPACK dots, 5 rounds): native bf16 wins 1.2-1.8x in
+        # the forward layout once M >= 128 and N, K >= 64 (a 10-class head and the small attention dots lose),
+        # 1.4-2x in the input-gradient layout from M >= 256 and N >= 128 (0.73x at 128 rows x 3136, 0.88-0.99x at
+        # N = 64), and 1.7-3.9x for weight gradients in the canonical layout from K >= 128 contracted rows up to
+        # 16384 (the LSTM's 256-row gradients 2.5-3.9x, the Transformer's 16384-row FFN gradients 1.7-2.2x).
+        ("dot", "forward"): ShapeRule(BF16, min_free=64, min_k=64, min_m=128),
         ("dot", "rhs_transposed"): ShapeRule(BF16, min_free=128, min_m=256),
-        ("dot", "lhs_transposed"): ShapeRule(BF16_CANONICAL, min_free=64, min_k=512, max_k=4096),
+        ("dot", "lhs_transposed"): ShapeRule(BF16_CANONICAL, min_free=64, min_k=128),
         ("conv", "forward"): GroupedRule(),
         ("conv", "input_grad"): GroupedRule(),
     },
