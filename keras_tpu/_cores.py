@@ -170,24 +170,33 @@ class CoreLayout:
         Arguments with ``in_axes`` 0 carry a leading core axis; ``None``
         arguments are shared by all cores (the replicated weights: one copy,
         and autodiff sums their gradients over the cores in one contraction).
-        Outputs get a leading core axis. With ``unrolled=True`` the cores run
-        one after another in one program instead of as one vectorised batch
-        (each layer then runs at the core's own batch size, which some XLA:CPU
-        kernels, e.g. convolutions, run faster); the results are the same.
-        Inside ``fn``, :meth:`core_index` and the cross-core collectives work
-        only when not unrolled.
+        Outputs get a leading core axis.
+
+        ``unrolled`` runs the cores in groups one after another in one program
+        instead of as one vectorised batch: ``True`` one core per group (each
+        layer then runs at the core's own batch size, which some XLA:CPU
+        kernels, e.g. convolutions, run faster), an integer that many groups,
+        each vectorised over its cores (fewer copies of the program to
+        compile). The results are the same. Inside ``fn``, :meth:`core_index`
+        and the cross-core collectives work only when not unrolled.
         """
-        if not unrolled:
+        groups = self.cores_per_device if unrolled is True else int(unrolled or 1)
+        if groups <= 1:
             return jax.vmap(fn, in_axes=in_axes, axis_name=CORE_AXIS)
+        if self.cores_per_device % groups:
+            raise ValueError(f"{self.cores_per_device} cores cannot run in {groups} equal groups.")
+        size = self.cores_per_device // groups
+        group_fn = (lambda *args: jax.tree.map(lambda a: a[None], fn(*args))) if size == 1 else \
+            jax.vmap(fn, in_axes=in_axes, axis_name=CORE_AXIS)
 
-        def each_core(*args):
+        def each_group(*args):
             axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
-            outputs = [fn(*(a if axis is None else jax.tree.map(lambda x: x[core], a)
-                            for a, axis in zip(args, axes)))
-                       for core in range(self.cores_per_device)]
-            return jax.tree.map(lambda *parts: jnp.stack(parts), *outputs)
+            take = lambda g: lambda x: x[g] if size == 1 else x[g * size:(g + 1) * size]
+            outputs = [group_fn(*(a if axis is None else jax.tree.map(take(g), a) for a, axis in zip(args, axes)))
+                       for g in range(groups)]
+            return jax.tree.map(lambda *parts: jnp.concatenate(parts), *outputs)
 
-        return each_core
+        return each_group
 
     def device_sum(self, tree):
         """Sum over the devices of the layout (nothing to do on one device)."""

@@ -19,6 +19,9 @@
 * ``inference_kwargs`` and ``all_layers``: whether a model's ``call`` takes
   ``training`` (``Layer._call_has_training_arg``) and every nested layer
   (``Layer._flatten_layers``; ``Model.layers`` lists only the top level).
+* ``is_layer_graph``: whether a model is Keras' own functional or Sequential
+  model, whose ``call`` only runs its layers (the ``Functional`` class is not
+  exported; ``keras.Model(inputs, outputs)`` returns one).
 * ``track_progress_line``: Keras' ``Progbar`` writes through
   ``keras.src.utils.io_utils.print_msg`` and leaves its line open between
   updates; keras_tpu's log records must start on a line of their own, and
@@ -67,10 +70,20 @@ def compile_arguments(model):
 
 
 def loss_reductions(model):
-    """The reduction (e.g. ``"sum_over_batch_size"``) of each loss compiled into ``model``, if built."""
+    """The reduction (e.g. ``"sum_over_batch_size"``) of each loss compiled into ``model``.
+
+    Keras builds its ``CompileLoss`` on the first loss computed; before that
+    the reductions come from the losses given to ``compile``: a ``Loss``
+    object's own, ``"sum_over_batch_size"`` for a name or function (Keras
+    wraps those in a ``LossFunctionWrapper`` with that reduction).
+    """
     compiled = getattr(model, "_compile_loss", None)
-    flat = getattr(compiled, "_flat_losses", None) or []
-    return [getattr(entry.loss, "reduction", None) for entry in flat]
+    flat = getattr(compiled, "_flat_losses", None)
+    if flat:
+        return [getattr(entry.loss, "reduction", None) for entry in flat]
+    user_losses = [loss for loss in keras.tree.flatten(getattr(compiled, "_user_loss", None)) if loss is not None]
+    return [getattr(loss, "reduction", None) if isinstance(loss, keras.losses.Loss) else "sum_over_batch_size"
+            for loss in user_losses]
 
 
 def per_output_loss_trackers(model):
@@ -230,6 +243,14 @@ def inference_kwargs(model):
 def all_layers(model):
     """Every layer inside ``model``, nested ones included."""
     return list(model._flatten_layers(include_self=False))
+
+
+def is_layer_graph(model):
+    """Whether ``model`` is a functional or Sequential model of Keras' own classes (not a subclass: its ``call``
+    runs exactly its layers)."""
+    from keras.src.models.functional import Functional
+
+    return type(model) in (Functional, keras.Sequential)
 
 
 

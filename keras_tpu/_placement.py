@@ -105,14 +105,14 @@ class Placement:
         installed = installed_on(model)
         if installed is not None and installed.placement is self:
             if installed.steps is None:
-                installed.steps = self._steps(model)
+                installed.steps = self._steps(model, installed.user_model)
             return installed.steps
         return self._steps(model)
 
-    def _steps(self, model):
+    def _steps(self, model, user_model=None):
         # The HBM of a CPU placement (on_mxu=False) is not checked: it has none.
         return ReplicatedSteps(model, self.layout, self.precision, on_mxu=self.on_mxu,
-                               accelerator_type=self.accelerator_type)
+                               accelerator_type=self.accelerator_type, user_model=user_model)
 
     def install(self, model, user_model=None):
         """Give ``model`` this placement's TPU programs for Keras' ``fit``/``evaluate``/``predict``.

@@ -80,6 +80,60 @@ def program_rule(precision, on_mxu=True):
     return rewrite.compose(mxu_rule(precision), vector_unit_rule()) if on_mxu else vector_unit_rule()
 
 
+#: Keras layers whose output for a row depends on that row alone at inference (``training=False``), whatever the
+#: rest of the batch: a model made of these computes the same on all of a device's rows at once as core by core.
+_ROW_WISE_AT_INFERENCE = tuple(getattr(keras.layers, name) for name in (
+    "InputLayer", "Dense", "Embedding", "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose",
+    "Conv3DTranspose", "DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D", "SeparableConv2D",
+    "BatchNormalization", "LayerNormalization", "GroupNormalization", "UnitNormalization", "Dropout",
+    "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D", "GaussianNoise", "GaussianDropout", "AlphaDropout",
+    "ActivityRegularization", "MaxPooling1D", "MaxPooling2D", "MaxPooling3D", "AveragePooling1D", "AveragePooling2D",
+    "AveragePooling3D", "GlobalMaxPooling1D", "GlobalMaxPooling2D", "GlobalMaxPooling3D", "GlobalAveragePooling1D",
+    "GlobalAveragePooling2D", "GlobalAveragePooling3D", "Flatten", "Reshape", "Permute", "RepeatVector", "Masking",
+    "Activation", "ReLU", "LeakyReLU", "PReLU", "ELU", "Softmax", "Add", "Subtract", "Multiply", "Average",
+    "Maximum", "Minimum", "Concatenate", "ZeroPadding1D", "ZeroPadding2D", "ZeroPadding3D", "Cropping1D",
+    "Cropping2D", "Cropping3D", "UpSampling1D", "UpSampling2D", "UpSampling3D", "Rescaling", "MultiHeadAttention",
+    "Identity") if hasattr(keras.layers, name))
+_RECURRENT = tuple(getattr(keras.layers, name) for name in ("LSTM", "GRU", "SimpleRNN"))
+
+
+def rows_independent_at_inference(model):
+    """Whether each row of ``model``'s inference output depends on that row alone (and the weights).
+
+    True for Keras' functional and Sequential models with no fixed batch size
+    made only of layers known to work row by row at inference (Dense,
+    convolutions, BatchNormalization with its moving statistics, pooling,
+    attention, non-stateful recurrent layers, ...); False for anything else,
+    e.g. a subclassed model or custom layer, whose ``call`` could mix rows.
+
+    Example:
+        >>> rows_independent_at_inference(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
+        True
+    """
+    if not _keras_private.is_layer_graph(model):
+        return False
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):
+        return False
+    if not inputs or any(tensor.shape[0] is not None for tensor in inputs):
+        return False
+    return all(_row_wise_at_inference(layer) for layer in model.layers)
+
+
+def _row_wise_at_inference(layer):
+    kind = type(layer)
+    if kind in _ROW_WISE_AT_INFERENCE:
+        return True
+    if kind in _RECURRENT:
+        return not layer.stateful
+    if kind is keras.layers.Bidirectional:
+        return _row_wise_at_inference(layer.forward_layer) and _row_wise_at_inference(layer.backward_layer)
+    if kind is keras.layers.TimeDistributed:
+        return _row_wise_at_inference(layer.layer)
+    return _keras_private.is_layer_graph(layer) and rows_independent_at_inference(layer)
+
+
 def _is_seed_state(variable):
     return variable.path.endswith("seed_generator_state") and "int" in str(variable.dtype)
 
@@ -111,19 +165,26 @@ class ReplicatedSteps:
         precision: the MXU's default precision for the model's matrix products.
         on_mxu: False runs the same programs with float32 matrix products
             (the CPU baseline of ``TPUEstimator(use_tpu=False)``).
+        user_model: the model whose ``call`` ``model`` runs, when ``model``
+            wraps it (``keras_to_tpu_model``'s CPU model); its layers decide
+            how inference programs map the cores (see :meth:`_cores_merged`).
 
     Example:
         >>> steps = ReplicatedSteps(model, keras_tpu.CoreLayout(8), "default")   # doctest: +SKIP
         >>> model.train_function = steps.train_function(steps_per_execution=1)   # doctest: +SKIP
     """
 
-    def __init__(self, model, layout, precision="default", on_mxu=True, unrolled_cores=None, accelerator_type=None):
+    def __init__(self, model, layout, precision="default", on_mxu=True, unrolled_cores=None, accelerator_type=None,
+                 user_model=None):
         # The model's own steps run as written (custom_steps); so do Keras' steps around a model's own
         # compute_loss/compute_metrics, which cannot know the padding rows of a partial batch.
         self.custom = custom_step_methods(model)
         if _keras_private.overridden_methods(model, ("compute_loss", "compute_metrics")):
             self.custom = sorted(set(self.custom) | {"train_step", "test_step"})
         self.unrolled_cores = unrolled_cores  # None: decided per model (see _cores_unrolled)
+        self.user_model = user_model or model
+        self._rows_independent = None  # decided on the first inference program (see _cores_merged)
+        self._convolutions = None  # of the forward pass, traced once (see _forward_convolutions)
         self.model = model
         self.layout = layout
         self.precision = canonical_precision(precision)
@@ -280,6 +341,8 @@ class ReplicatedSteps:
             return self.model.stateless_call(trainable, non_trainable, x, **kwargs)[0]
 
         def predict(x):  # one step: every core predicts its rows
+            if self._cores_merged("predict", trainable, non_trainable, x):
+                return core_predict(x)
             unrolled = self._cores_unrolled(trainable, non_trainable, x)
             return layout.merge_cores(layout.map_cores(core_predict, in_axes=0, unrolled=unrolled)(
                 layout.split_cores(x)))
@@ -291,28 +354,73 @@ class ReplicatedSteps:
 
     # -- one step on one device -------------------------------------------------------
 
-    def _cores_unrolled(self, trainable, non_trainable, x):
-        """Whether the training step runs the cores one after another rather than as one vectorised batch.
+    def _cores_merged(self, mode, trainable, non_trainable, x):
+        """Whether a ``"test"`` or ``"predict"`` program runs all of a device's rows as one batch.
 
-        Measured here (benchmarks/cifar10_speed.py's CNN, batch 1024, 8 cores):
-        XLA:CPU's backward convolutions run about twice as fast at the cores'
-        own batch (128) as on all 1024 rows at once, and a convolutional
-        network's forward pass vectorised over the core axis (``jax.vmap``) runs
-        about 4x slower than unrolled (0.90 s against 0.23 s for 1024 images),
-        while dense products, recurrences and attention gain from one large
-        batch. So models whose forward pass has a convolution unroll the cores
-        in every program; others vectorise them. (A ``lax.map`` over the cores,
-        one compiled loop body, compiles that CNN's training step in 4.6 s but
-        runs it more than 8x slower than unrolled: XLA:CPU's convolutions inside
-        a loop body lose their fast path.)
+        At inference a model whose rows do not interact
+        (:func:`rows_independent_at_inference`) computes the same on the cores'
+        rows together as core by core, and XLA:CPU mostly runs it faster so:
+        the README's CIFAR-10 CNN evaluates 1024 images in 158 ms so against
+        203 ms with the cores unrolled and 760 ms vectorised over the core axis
+        (whose 5-D activations YNNPACK runs slowly), plain Keras 148 ms; the
+        embedding model 4.6 ms against 6 (plain 4.3). Depthwise convolutions
+        (summed tap by tap, see :mod:`keras_tpu.mxu._kernels`) run faster at a
+        core's batch: MobileNet evaluates 512 images in 211 ms unrolled, 325 ms
+        merged. A test program also needs losses averaged over rows or summed
+        (the mean of per-core weighted means, ``mean_with_sample_weight``,
+        differs).
         """
-        if self.unrolled_cores is None:
+        if self.layout.cores_per_device == 1:
+            return False
+        if self._rows_independent is None:
+            # A wrapper's own call (keras_to_tpu_model's) only runs the model it wraps.
+            self._rows_independent = rows_independent_at_inference(self.user_model) and not any(
+                groups > 1 for groups in self._forward_convolutions(trainable, non_trainable, x))
+        if mode == "predict" or not self._rows_independent:
+            return self._rows_independent
+        reductions = set(_keras_private.loss_reductions(self.model))
+        return reductions <= {"sum_over_batch_size", "sum"}
+
+    def _forward_convolutions(self, trainable, non_trainable, x):
+        """The feature group count of each convolution of the forward pass on one core's rows (traced once)."""
+        if self._convolutions is None:
             kwargs = _keras_private.inference_kwargs(self.model)
             core_rows = jax.tree.map(lambda a: a[0], self.layout.split_cores(x))
             forward = jax.make_jaxpr(lambda: self.model.stateless_call(trainable, non_trainable, core_rows,
                                                                         **kwargs)[0])()
-            self.unrolled_cores = self.layout.cores_per_device > 1 and bool(
-                rewrite.walk(forward, lambda e: e.primitive is lax.conv_general_dilated_p))
+            self._convolutions = [found.eqn.params["feature_group_count"] for found in
+                                  rewrite.walk(forward, lambda e: e.primitive is lax.conv_general_dilated_p)]
+        return self._convolutions
+
+    #: Convolutions x groups of cores unrolled above which a program runs fewer, larger groups (see _cores_unrolled).
+    UNROLLED_CONVOLUTIONS = 32
+
+    def _cores_unrolled(self, trainable, non_trainable, x):
+        """How many groups of cores the training step runs one after another (see ``CoreLayout.map_cores``).
+
+        Measured here (train step / compile time, benchmarks/zoo.py's models):
+        XLA:CPU's backward convolutions run faster at a core's batch than on
+        all rows at once, but every unrolled group is another copy of the
+        program to compile. The README's CIFAR-10 CNN (4 convolutions, batch
+        1024): 8 groups (one core each) 1.08 s / 5.7 s, 2 groups 1.25 s / 4.0 s,
+        vectorised over the cores 1.39 s / 3.6 s; the ResNet-20 (21
+        convolutions, batch 512): 1.21 s / 12.6 s, 4 groups 1.23 / 7.4, 2 groups
+        1.28 / 6.1, vectorised 1.34 / 4.2; MobileNet (13): 1.82 / 11.7, 2 groups
+        2.14 / 7.1 (plain Keras: 3.9 s / 2.5 s, 2.3 s / 3 s and 9 s / 5 s). So
+        a model with convolutions runs as many groups as keep groups x
+        convolutions within :attr:`UNROLLED_CONVOLUTIONS` (CIFAR: 8, MobileNet:
+        2, ResNet: 1); other models vectorise their cores (dense products,
+        recurrences and attention gain from one large batch). (A ``lax.map``
+        over the cores, one compiled loop body, compiles the CIFAR step in 4.6 s
+        but runs it more than 8x slower: XLA:CPU's convolutions inside a loop
+        body lose their fast path.)
+        """
+        if self.unrolled_cores is None:
+            convolutions = len(self._forward_convolutions(trainable, non_trainable, x))
+            cores = self.layout.cores_per_device
+            self.unrolled_cores = max([g for g in range(1, cores + 1) if cores % g == 0
+                                       and g * convolutions <= self.UNROLLED_CONVOLUTIONS] or [1]) \
+                if convolutions else 1
         return self.unrolled_cores
 
     def _output_shapes(self, trainable, non_trainable, x):
@@ -427,20 +535,25 @@ class ReplicatedSteps:
         trainable, non_trainable, metrics_values = state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
         output_shapes = self._output_shapes(trainable, non_trainable, x)
-        loss_weight, metric_weight = self._sample_weights(mask, sample_weight, real_rows, output_shapes,
-                                                          units=layout.num_cores)
+        merged = self._cores_merged("test", trainable, non_trainable, x)  # one loss per device, not per core
+        units = layout.num_devices if merged else layout.num_cores
+        loss_weight, metric_weight = self._sample_weights(mask, sample_weight, real_rows, output_shapes, units=units)
 
         def core_loss(x, y, loss_weight):
             _, (unscaled, y_pred, _, _) = model.compute_loss_and_updates(
                 trainable, non_trainable, metrics_values, x, y, loss_weight, training=False)
             return unscaled, y_pred
 
-        by_core = layout.split_cores
-        unscaled, y_pred = layout.map_cores(core_loss, in_axes=0, unrolled=self._cores_unrolled(
-            trainable, non_trainable, x))(by_core(x), by_core(y), by_core(loss_weight))
-        mean_loss = layout.device_sum(jnp.sum(unscaled)) / layout.num_cores
+        if merged:
+            unscaled, y_pred = core_loss(x, y, loss_weight)
+        else:
+            by_core = layout.split_cores
+            unscaled, y_pred = layout.map_cores(core_loss, in_axes=0, unrolled=self._cores_unrolled(
+                trainable, non_trainable, x))(by_core(x), by_core(y), by_core(loss_weight))
+            y_pred = layout.merge_cores(y_pred)
+        mean_loss = layout.device_sum(jnp.sum(unscaled)) / units
         metrics_values = self._update_metrics(metrics_values, mean_loss, real_rows, x, y,
-                                              layout.merge_cores(y_pred), mask, metric_weight, loss_weight)
+                                              y_pred, mask, metric_weight, loss_weight)
         return (trainable, non_trainable, metrics_values)
 
 

@@ -115,6 +115,130 @@ def test_evaluate_and_predict_are_exact_with_any_batch_and_data_size():
         np.testing.assert_allclose(predicted, cpu.predict(x[:rows], batch_size=64, verbose=0), atol=1e-6)
 
 
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum"])
+def test_evaluation_of_all_rows_at_once_is_exact_for_losses_averaged_or_summed(reduction):
+    # A model whose rows do not interact evaluates all of a device's rows as one batch: the same loss as on
+    # the CPU for every batch size, partial batches and sample weights included.
+    x, y = classification_data(203)
+    weights = np.linspace(0.5, 2, 203).astype("float32")
+    cpu = small_classifier()
+    cpu.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(reduction=reduction),
+                weighted_metrics=["sparse_categorical_accuracy"])
+    tpu = on_tpu(cpu, "highest")
+    for batch_size in (203, 64, 13):
+        got = tpu.evaluate(x, y, sample_weight=weights, batch_size=batch_size, verbose=0, return_dict=True)
+        want = cpu.evaluate(x, y, sample_weight=weights, batch_size=batch_size, verbose=0, return_dict=True)
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=2e-6), (batch_size, key)
+
+
+def test_inference_runs_all_rows_at_once_only_for_models_whose_rows_do_not_interact():
+    from keras_tpu._cores import CoreLayout
+    from keras_tpu._replicated_steps import ReplicatedSteps, rows_independent_at_inference
+
+    layers = keras.layers
+    inputs = keras.Input((8, 8, 3))
+    x = layers.MaxPooling2D()(layers.BatchNormalization()(layers.Conv2D(4, 3, padding="same")(inputs)))
+    x = layers.Dropout(0.5)(layers.Flatten()(x))
+    convnet = keras.Model(inputs, layers.Dense(3, activation="softmax")(x))
+    tokens = keras.Input((5,), dtype="int32")
+    recurrent = keras.Model(tokens, layers.Bidirectional(layers.LSTM(4))(layers.Embedding(10, 4)(tokens)))
+    assert rows_independent_at_inference(convnet) and rows_independent_at_inference(recurrent)
+    nested = keras.Sequential([keras.Input((8, 8, 3)), convnet])
+    assert rows_independent_at_inference(nested)
+
+    class Centered(layers.Layer):  # mixes rows: subtracts the batch mean
+        def call(self, x):
+            return x - keras.ops.mean(x, axis=0)
+
+    custom = keras.Sequential([keras.Input((6,)), Centered(), layers.Dense(3)])
+    fixed_batch = keras.Sequential([keras.Input((6,), batch_size=8), layers.Dense(3)])
+    stateful = keras.Sequential([keras.Input((5, 2), batch_size=8), layers.LSTM(3, stateful=True)])
+
+    class Subclassed(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = layers.Dense(3)
+
+        def call(self, x):
+            return self.dense(x)
+
+    for model in (custom, fixed_batch, stateful, Subclassed()):
+        assert not rows_independent_at_inference(model), model
+
+    def state_and_rows(model):
+        shape, dtype = model.inputs[0].shape, model.inputs[0].dtype
+        return ([v.value for v in model.trainable_variables], [v.value for v in model.non_trainable_variables],
+                np.zeros((16,) + tuple(shape[1:]), dtype))
+
+    def merged(model, loss):
+        model.compile("sgd", loss)
+        steps = ReplicatedSteps(model, CoreLayout(8))
+        args = state_and_rows(model)
+        return steps._cores_merged("test", *args), steps._cores_merged("predict", *args)
+
+    assert merged(convnet, "sparse_categorical_crossentropy") == (True, True)
+    # Losses averaged per core over their weights are computed core by core, as on a TPU.
+    weighted_mean = keras.losses.SparseCategoricalCrossentropy(reduction="mean_with_sample_weight")
+    assert merged(convnet, weighted_mean) == (False, True)
+    assert merged(custom, "mse") == (False, False)
+    # Depthwise convolutions run faster at a core's batch: core by core.
+    depthwise = keras.Sequential([keras.Input((8, 8, 4)), layers.DepthwiseConv2D(3), layers.Flatten(),
+                                  layers.Dense(2)])
+    assert merged(depthwise, "mse") == (False, False)
+
+
+def test_training_unrolls_fewer_groups_of_cores_the_more_convolutions_a_model_has():
+    from keras_tpu._cores import CoreLayout
+    from keras_tpu._placement import installed_on
+    from keras_tpu._replicated_steps import ReplicatedSteps
+
+    def groups(convolutions):
+        model = keras.Sequential([keras.Input((8, 8, 2))] + [keras.layers.Conv2D(2, 3, padding="same")
+                                                            for _ in range(convolutions)]
+                                 + [keras.layers.Flatten(), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        steps = ReplicatedSteps(model, CoreLayout(8))
+        return steps._cores_unrolled([v.value for v in model.trainable_variables],
+                                     [v.value for v in model.non_trainable_variables], np.zeros((16, 8, 8, 2)))
+
+    assert [groups(n) for n in (0, 1, 4, 5, 13, 21)] == [1, 8, 8, 4, 2, 1]
+    # Whatever the grouping, training gives the same weights.
+    x = np.random.default_rng(0).standard_normal((64, 8, 8, 2)).astype("float32")
+    y = x.sum(axis=(1, 2, 3))[:, None]
+    trained = []
+    for unrolled in (1, 2, 8):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8, 8, 2)), keras.layers.Conv2D(3, 3), keras.layers.BatchNormalization(),
+                                  keras.layers.Flatten(), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.01), "mse")
+        tpu = on_tpu(model, "highest")
+        tpu.fit(x[:8], y[:8], batch_size=8, verbose=0)  # builds the steps
+        steps = installed_on(tpu).steps
+        steps.unrolled_cores = unrolled
+        tpu.make_train_function(force=True)
+        tpu.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+        trained.append(tpu.get_weights())
+    for other in trained[1:]:
+        assert_weights_close(other, trained[0], atol=1e-5)
+
+
+def test_a_model_that_mixes_rows_is_evaluated_core_by_core():
+    # Each core's rows are its own batch (as on a TPU): a layer that centres its batch sees 8 rows per core.
+    class Centered(keras.layers.Layer):
+        def call(self, x):
+            return x - keras.ops.mean(x, axis=0)
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), Centered(), keras.layers.Dense(3)])
+    model.compile("sgd", "mse")
+    x = np.random.default_rng(0).standard_normal((64, 6)).astype("float32")
+    predicted = on_tpu(model, "highest").predict(x, batch_size=64, verbose=0)
+    per_core = np.concatenate([model.predict(x[i:i + 8], verbose=0) for i in range(0, 64, 8)])
+    np.testing.assert_allclose(predicted, per_core, atol=1e-5)
+    assert not np.allclose(predicted, model.predict(x, batch_size=64, verbose=0), atol=1e-3)
+
+
 def test_partial_batches_never_recompile(caplog):
     caplog.set_level(logging.INFO, logger="keras_tpu")
     x, y = classification_data(200)
