@@ -45,7 +45,10 @@ steps runs instead (compiled once per count): inactive steps cost nothing.
 """
 
 import collections
+import concurrent.futures
+import dataclasses
 import itertools
+import math
 import time
 
 import jax
@@ -74,10 +77,49 @@ SEED_STRIDE = 0x9E3779B1
 XLA_CPU_OPTIONS = {mode: kernels.compiler_options(mode) for mode in ("train", "test", "predict")}
 
 
+#: Compiles programs in the background while the caller estimates their HBM footprint (see _Program._executable).
+_COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="keras-tpu-compile")
+
+
 def program_rule(precision, on_mxu=True):
     """The rewrite rule of TPU programs: matrix products on the MXU (unless ``on_mxu`` is False) and the
     vector unit's fast lowerings (:mod:`keras_tpu._vector_unit`)."""
     return rewrite.compose(mxu_rule(precision), vector_unit_rule()) if on_mxu else vector_unit_rule()
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConvolution:
+    """One convolution of a model's forward pass, as far as compiling a program with it is concerned.
+
+    Example:
+        >>> eqn = jax.make_jaxpr(lambda x, k: lax.conv_general_dilated(
+        ...     x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=32))(
+        ...     jnp.ones((128, 16, 16, 32)), jnp.ones((3, 3, 1, 32))).eqns[0]
+        >>> depthwise = ForwardConvolution.of(eqn)
+        >>> depthwise.feature_group_count, depthwise.copies(on_mxu=True), depthwise.copies(on_mxu=False)
+        (32, 9, 1)
+    """
+
+    feature_group_count: int
+    kernel_taps: int
+    mxu_form: str  # how its forward pass runs on the MXU (:func:`keras_tpu.mxu._kernels.choose_form`)
+
+    @classmethod
+    def of(cls, eqn):
+        """The convolution of a ``conv_general_dilated`` jaxpr equation."""
+        lhs, rhs = (v.aval for v in eqn.invars[:2])
+        out = eqn.outvars[0].aval
+        params = eqn.params
+        dimension_numbers = params["dimension_numbers"]
+        gemm = kernels.conv_gemm(lhs.shape, rhs.shape, out.shape, dimension_numbers,
+                                 params["feature_group_count"], params["batch_group_count"])
+        return cls(params["feature_group_count"], math.prod(rhs.shape[i] for i in dimension_numbers.rhs_spec[2:]),
+                   kernels.choose_form("conv", kernels.conv_layout(dimension_numbers), gemm))
+
+    def copies(self, on_mxu):
+        """How many products the compiled program holds for it per unrolled group: its kernel taps when run
+        tap by tap (a depthwise convolution on the MXU, forward and input gradient), else one."""
+        return self.kernel_taps if on_mxu and self.mxu_form == kernels.TAPS else 1
 
 
 #: Keras layers whose output for a row depends on that row alone at inference (``training=False``), whatever the
@@ -188,6 +230,7 @@ class ReplicatedSteps:
         self.model = model
         self.layout = layout
         self.precision = canonical_precision(precision)
+        self.on_mxu = on_mxu
         self.rule = program_rule(self.precision, on_mxu)
         self.last_programs = {}
         self.accelerator_type = accelerator_type  # whose HBM a compiled program must fit (None: not checked)
@@ -375,24 +418,25 @@ class ReplicatedSteps:
         if self._rows_independent is None:
             # A wrapper's own call (keras_to_tpu_model's) only runs the model it wraps.
             self._rows_independent = rows_independent_at_inference(self.user_model) and not any(
-                groups > 1 for groups in self._forward_convolutions(trainable, non_trainable, x))
+                conv.feature_group_count > 1 for conv in self._forward_convolutions(trainable, non_trainable, x))
         if mode == "predict" or not self._rows_independent:
             return self._rows_independent
         reductions = set(_keras_private.loss_reductions(self.model))
         return reductions <= {"sum_over_batch_size", "sum"}
 
     def _forward_convolutions(self, trainable, non_trainable, x):
-        """The feature group count of each convolution of the forward pass on one core's rows (traced once)."""
+        """The convolutions of the forward pass on one core's rows, as :class:`ForwardConvolution` (traced once)."""
         if self._convolutions is None:
             kwargs = _keras_private.inference_kwargs(self.model)
             core_rows = jax.tree.map(lambda a: a[0], self.layout.split_cores(x))
             forward = jax.make_jaxpr(lambda: self.model.stateless_call(trainable, non_trainable, core_rows,
                                                                         **kwargs)[0])()
-            self._convolutions = [found.eqn.params["feature_group_count"] for found in
+            self._convolutions = [ForwardConvolution.of(found.eqn) for found in
                                   rewrite.walk(forward, lambda e: e.primitive is lax.conv_general_dilated_p)]
         return self._convolutions
 
-    #: Convolutions x groups of cores unrolled above which a program runs fewer, larger groups (see _cores_unrolled).
+    #: Convolution copies x groups of cores unrolled above which a program runs fewer, larger groups
+    #: (see _cores_unrolled).
     UNROLLED_CONVOLUTIONS = 32
 
     def _cores_unrolled(self, trainable, non_trainable, x):
@@ -405,22 +449,27 @@ class ReplicatedSteps:
         1024): 8 groups (one core each) 1.08 s / 5.7 s, 2 groups 1.25 s / 4.0 s,
         vectorised over the cores 1.39 s / 3.6 s; the ResNet-20 (21
         convolutions, batch 512): 1.21 s / 12.6 s, 4 groups 1.23 / 7.4, 2 groups
-        1.28 / 6.1, vectorised 1.34 / 4.2; MobileNet (13): 1.82 / 11.7, 2 groups
-        2.14 / 7.1 (plain Keras: 3.9 s / 2.5 s, 2.3 s / 3 s and 9 s / 5 s). So
-        a model with convolutions runs as many groups as keep groups x
-        convolutions within :attr:`UNROLLED_CONVOLUTIONS` (CIFAR: 8, MobileNet:
-        2, ResNet: 1); other models vectorise their cores (dense products,
-        recurrences and attention gain from one large batch). (A ``lax.map``
-        over the cores, one compiled loop body, compiles the CIFAR step in 4.6 s
-        but runs it more than 8x slower: XLA:CPU's convolutions inside a loop
-        body lose their fast path.)
+        1.28 / 6.1, vectorised 1.34 / 4.2; MobileNet (7 convolutions and 6
+        depthwise ones): 1.82 / 11.7, 2 groups 1.96 / 7.6, vectorised 2.08 / 5.0
+        (plain Keras: 3.9 s / 2.5 s, 2.3 s / 3 s and 9 s / 3.7 s). A depthwise
+        convolution run tap by tap (:mod:`keras_tpu.mxu._kernels`) is one
+        product per kernel tap, forward and backward, so it counts as its
+        taps (:attr:`ForwardConvolution.copies`). A model with convolutions
+        runs as many groups as keep groups x convolution copies within
+        :attr:`UNROLLED_CONVOLUTIONS` (CIFAR: 8, ResNet and MobileNet: 1);
+        other models vectorise their cores (dense products, recurrences and
+        attention gain from one large batch). (A ``lax.map`` over the cores,
+        one compiled loop body, compiles the CIFAR step in 4.6 s but runs it
+        more than 8x slower: XLA:CPU's convolutions inside a loop body lose
+        their fast path.)
         """
         if self.unrolled_cores is None:
-            convolutions = len(self._forward_convolutions(trainable, non_trainable, x))
+            copies = sum(conv.copies(self.on_mxu)
+                         for conv in self._forward_convolutions(trainable, non_trainable, x))
             cores = self.layout.cores_per_device
             self.unrolled_cores = max([g for g in range(1, cores + 1) if cores % g == 0
-                                       and g * convolutions <= self.UNROLLED_CONVOLUTIONS] or [1]) \
-                if convolutions else 1
+                                       and g * copies <= self.UNROLLED_CONVOLUTIONS] or [1]) \
+                if copies else 1
         return self.unrolled_cores
 
     def _output_shapes(self, trainable, non_trainable, x):
@@ -601,10 +650,13 @@ class _Program:
         executable = self._executables.get(key)
         if executable is None:
             started = time.perf_counter()
+            # XLA compiles without holding the GIL, so the per-core HBM estimate (a Python trace of one
+            # core's step) runs meanwhile: ResNet-20's first step is ready 0.7 s sooner.
+            compiling = _COMPILER.submit(self._jitted.lower(*args).compile)
             footprint = self.builder.hbm_footprint(self.mode, args)
             if footprint is not None:
                 footprint.check()  # a program that would not fit a core's HBM fails here, as on a TPU
-            executable = self._jitted.lower(*args).compile()
+            executable = compiling.result()
             self._executables[key] = executable
             real = int(stacked.real_rows.max())
             padding = "" if real == self.stacker.global_batch else f", {real} real rows"
