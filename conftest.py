@@ -1,6 +1,6 @@
 """Pytest set-up shared by the tests and the docstring examples (run with --doctest-modules)."""
 
-import keras_tpu  # noqa: F401  (first: gives JAX its eight virtual devices)
+import keras_tpu  # noqa: F401  (first: makes Keras use JAX)
 import numpy as np
 import pytest
 

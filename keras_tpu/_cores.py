@@ -17,9 +17,10 @@ not part of what is simulated:
 * **A pod (several processes): one device per process**, holding that
   worker's cores the same way; the processes meet in JAX's collectives.
 
-Any other arrangement (several devices per process, as for experiments) works
-too, with identical results; programs on such layouts bound how many of them
-are in flight (see :attr:`CoreLayout.max_programs_in_flight`).
+Any other arrangement (several devices per process, as for experiments: ask
+JAX for them before it starts, e.g. ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)
+works too, with identical results; programs on such layouts bound how many of
+them are in flight (see :attr:`CoreLayout.max_programs_in_flight`).
 
 Inside a per-device program, :meth:`CoreLayout.map_cores` maps a function
 over the device's cores and :meth:`CoreLayout.device_sum` /

@@ -213,7 +213,9 @@ def barrier(name):
 
         try:
             multihost_utils.sync_global_devices(name)
-        except jax.errors.JaxRuntimeError as error:  # the collective with a worker that is gone failed
+        # The collective with a worker that is gone failed. With one device per worker JAX's all-gather
+        # reports Gloo's "Connection closed by peer" as a ValueError, with more as a JaxRuntimeError.
+        except (jax.errors.JaxRuntimeError, ValueError) as error:
             raise WorkerLostError(
                 f"Worker {jax.process_index()} of the TPU pod stopped waiting for the others at {name!r} because "
                 f"a worker stopped ({error}). Restart all workers; training resumes from the last checkpoint."

@@ -2,7 +2,7 @@
 
 Like Keras' ``global_state``, keras_tpu has a little process-wide state: the
 TPU system this process started (and whether its "Found TPU system" block was
-logged), the pod it joined, and whether JAX was given its virtual devices.
+logged), the pod it joined, and whether the host was prepared.
 Each is set by the module that performs that step (:mod:`keras_tpu._cluster`,
 :mod:`keras_tpu._pod`, :mod:`keras_tpu._host`) and kept here, nowhere else.
 :func:`reset_tpu_system` forgets the TPU system, as ``keras.backend.clear_session``
@@ -25,8 +25,8 @@ class ProcessState:
     announced: dict = dataclasses.field(default_factory=dict)
     #: ``(workers, task index)`` of the pod this process joined, or None
     pod: tuple = None
-    #: whether JAX was given one virtual CPU device per simulated core (None: not asked yet)
-    devices_requested: object = None
+    #: whether :func:`keras_tpu._host.prepare_host` ran (a pod is joined once)
+    host_prepared: bool = False
 
 
 STATE = ProcessState()

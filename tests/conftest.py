@@ -1,4 +1,4 @@
-"""Test set-up: keras_tpu is imported first so that JAX gets its eight virtual devices."""
+"""Test set-up: keras_tpu is imported first, as a notebook would (it makes Keras use JAX)."""
 
 import os
 import subprocess
