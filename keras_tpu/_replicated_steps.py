@@ -639,10 +639,11 @@ class _Program:
                                                       else pod.global_array(a, sharding), tree)
             return tuple(put(arg, sharding) for arg, sharding in zip(args, shardings))
         # Per-step Python overhead counts on small models: the state stays where the last step left it
-        # (device_put costs ~8 us per array even then) and the rest moves in one call.
+        # (device_put costs ~8 us per array even then) and the batch goes to the compiled program as host
+        # arrays, which its C++ call places by its own input shardings.
         if state_placed:
-            return (state,) + jax.device_put(args[1:], shardings[1:])
-        return jax.device_put(args, shardings)
+            return args
+        return (jax.device_put(state, replicated),) + args[1:]
 
     def _executable(self, args, stacked):
         leaves, structure = jax.tree.flatten(args)

@@ -310,20 +310,44 @@ def test_choice_on_this_host_and_its_overrides(tmp_path, monkeypatch):
             pass
 
 
+def _float32_transposes_of_shape(form, fun, shape, *args):
+    """The instructions named ``transpose...`` with a float32 result of ``shape`` in ``fun``'s compiled program."""
+    with kernels.use_form(form):
+        text = jax.jit(mxu.route(fun)).lower(*args).compile().as_text()
+    named = re.compile(r"\s*(?:ROOT )?%(\S*transpose\S*) = f32\[" + ",".join(map(str, shape)) + r"\]")
+    return [m.group(1) for m in map(named.match, text.splitlines()) if m]
+
+
+def test_a_swapped_weight_gradient_reaches_the_optimizer_without_a_float32_transpose():
+    # Autodiff emits a weight gradient as a product in the (outputs, inputs) order followed by a transpose into
+    # the weight's shape. The swapped form's own transpose cancels it; the canonical form leaves a float32
+    # transpose, which XLA fuses into each consumer (an optimizer's updates) as a strided read.
+    rng = np.random.default_rng(0)
+    x, w = rng.normal(size=(256, 128)).astype(np.float32), rng.normal(size=(128, 64)).astype(np.float32) / 8
+    weight_grad = jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w)))
+    assert _float32_transposes_of_shape(kernels.BF16_SWAPPED, weight_grad, w.shape, w, x) == []
+    assert _float32_transposes_of_shape(kernels.BF16_CANONICAL, weight_grad, w.shape, w, x) != []
+    grads = {}
+    for form in (kernels.BF16_SWAPPED, kernels.BF16_CANONICAL):
+        with kernels.use_form(form):
+            grads[form] = jax.jit(mxu.route(weight_grad))(w, x)
+    np.testing.assert_allclose(grads[kernels.BF16_SWAPPED], grads[kernels.BF16_CANONICAL], rtol=1e-5, atol=1e-6)
+
+
 def test_bf16_host_table_takes_native_forms_only_where_they_were_measured_faster():
     choice = lambda kind, layout, gemm: kernels.builtin_choice("bf16", kind, layout, gemm)
     # The MLP's hidden layers: native bf16 in all three layouts of the training step.
     assert choice("dot", "forward", (1, 1024, 784, 1024)) == kernels.BF16
     assert choice("dot", "rhs_transposed", (1, 1024, 1024, 784)) == kernels.BF16
-    assert choice("dot", "lhs_transposed", (1, 1024, 1024, 784)) == kernels.BF16_CANONICAL
+    assert choice("dot", "lhs_transposed", (1, 1024, 1024, 784)) == kernels.BF16_SWAPPED
     # The 4096-wide MLP of benchmarks/big_models.py (256 rows in all) and the LSTM's per-step products (256
     # rows): native in all three layouts, weight gradients contracting the 256 rows included.
     assert choice("dot", "forward", (1, 256, 4096, 4096)) == kernels.BF16
     assert choice("dot", "rhs_transposed", (1, 256, 4096, 4096)) == kernels.BF16
-    assert choice("dot", "lhs_transposed", (1, 4096, 256, 4096)) == kernels.BF16_CANONICAL
-    assert choice("dot", "lhs_transposed", (1, 1024, 256, 64)) == kernels.BF16_CANONICAL
+    assert choice("dot", "lhs_transposed", (1, 4096, 256, 4096)) == kernels.BF16_SWAPPED
+    assert choice("dot", "lhs_transposed", (1, 1024, 256, 64)) == kernels.BF16_SWAPPED
     # The Transformer's FFN weight gradients contract 16384 rows: native too.
-    assert choice("dot", "lhs_transposed", (1, 128, 16384, 512)) == kernels.BF16_CANONICAL
+    assert choice("dot", "lhs_transposed", (1, 128, 16384, 512)) == kernels.BF16_SWAPPED
     assert choice("dot", "forward", (1, 64, 4096, 4096)) == kernels.ROUND_F32
     # Narrow outputs (a 10-class head), attention-sized batched dots and thin input gradients
     # measured faster as round_f32.
