@@ -306,12 +306,18 @@ def host_class():
 #: convolutions are several times slower for the weight-gradient convolutions of a training
 #: step and faster for inference. On bf16 hosts the native bf16 dots of the table above need
 #: YNNPACK dots, and YNNPACK convolutions are slower in both kinds of program (the CIFAR-10
-#: CNN's test step: 3.9 s of CPU per 4096 images with them, 2.2-2.5 without).
+#: CNN's test step: 3.9 s of CPU per 4096 images with them, 2.2-2.5 without). YNNPACK
+#: reductions pay in training: without them XLA splits every large sum (a bias gradient, a batch
+#: norm's statistics) into a slow reduce-window and a reduce. Train step with / without, wall ms,
+#: best of 4-5 interleaved rounds (benchmarks/zoo.py's models): MobileNet 1472 / 1837, ResNet-20
+#: 964 / 1119, MLP 15.4 / 17.4, char LSTM 318 / 338, CIFAR-10 CNN 894 / 910, Transformer 286 /
+#: 284, the embedding model 16.1 / 15.3.
 _YNN_FUSION_TYPES = {
     "no_bf16": {"train": "", "test": None, "predict": None},
-    # Inference keeps XLA's defaults (YNNPACK for dots *and* convolutions): the CIFAR-10 CNN evaluates
-    # 4096 images in 0.93 s with them against 1.11 s with dots only; they run dots as ynn_dot does.
-    "bf16": {"train": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT", "test": None, "predict": None},
+    # Inference keeps XLA's defaults (YNNPACK for dots, reductions *and* convolutions): the CIFAR-10
+    # CNN evaluates 4096 images in 0.93 s with them against 1.11 s with dots only.
+    "bf16": {"train": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE", "test": None,
+             "predict": None},
 }
 
 
@@ -323,7 +329,7 @@ def compiler_options(mode="train"):
 
     Example:
         >>> compiler_options("train")["xla_cpu_experimental_ynn_fusion_type"] in (
-        ...     "", "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT")
+        ...     "", "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE")
         True
     """
     fusion_types = _YNN_FUSION_TYPES.get(host_class(), _YNN_FUSION_TYPES["no_bf16"])[mode]
