@@ -226,7 +226,7 @@ class ReplicatedSteps:
         self.unrolled_cores = unrolled_cores  # None: decided per model (see _cores_unrolled)
         self.user_model = user_model or model
         self._rows_independent = None  # decided on the first inference program (see _cores_merged)
-        self._convolutions = None  # of the forward pass, traced once (see _forward_convolutions)
+        self._core_forwards = {}  # one core's forward pass per input shape (see _core_forward)
         self.model = model
         self.layout = layout
         self.precision = canonical_precision(precision)
@@ -424,16 +424,29 @@ class ReplicatedSteps:
         reductions = set(_keras_private.loss_reductions(self.model))
         return reductions <= {"sum_over_batch_size", "sum"}
 
-    def _forward_convolutions(self, trainable, non_trainable, x):
-        """The convolutions of the forward pass on one core's rows, as :class:`ForwardConvolution` (traced once)."""
-        if self._convolutions is None:
+    def _core_forward(self, trainable, non_trainable, x):
+        """What one core's forward pass on its rows of ``x`` produces and runs: ``(output shapes, convolutions)``,
+        the convolutions as :class:`ForwardConvolution`.
+
+        Traced abstractly once per input shape (nothing runs) and shared by
+        the train and test programs: each trace of a large model costs a
+        noticeable part of its compile time.
+        """
+        core_rows = jax.tree.map(lambda a: a[0], self.layout.split_cores(x))
+        key = jax.tree.structure(core_rows), tuple((a.shape, a.dtype) for a in jax.tree.leaves(core_rows))
+        if key not in self._core_forwards:
             kwargs = _keras_private.inference_kwargs(self.model)
-            core_rows = jax.tree.map(lambda a: a[0], self.layout.split_cores(x))
-            forward = jax.make_jaxpr(lambda: self.model.stateless_call(trainable, non_trainable, core_rows,
-                                                                        **kwargs)[0])()
-            self._convolutions = [ForwardConvolution.of(found.eqn) for found in
-                                  rewrite.walk(forward, lambda e: e.primitive is lax.conv_general_dilated_p)]
-        return self._convolutions
+            forward, output_shapes = jax.make_jaxpr(
+                lambda: self.model.stateless_call(trainable, non_trainable, core_rows, **kwargs)[0],
+                return_shape=True)()
+            convolutions = [ForwardConvolution.of(found.eqn) for found in
+                            rewrite.walk(forward, lambda e: e.primitive is lax.conv_general_dilated_p)]
+            self._core_forwards[key] = output_shapes, convolutions  # shapes only: no tracer outlives its trace
+        return self._core_forwards[key]
+
+    def _forward_convolutions(self, trainable, non_trainable, x):
+        """The convolutions of the forward pass on one core's rows, as :class:`ForwardConvolution`."""
+        return self._core_forward(trainable, non_trainable, x)[1]
 
     #: Convolution copies x groups of cores unrolled above which a program runs fewer, larger groups
     #: (see _cores_unrolled).
@@ -474,9 +487,7 @@ class ReplicatedSteps:
 
     def _output_shapes(self, trainable, non_trainable, x):
         """The shapes of the model's outputs for one core's rows of ``x`` (traced abstractly, no compute)."""
-        kwargs = _keras_private.inference_kwargs(self.model)
-        core_rows = jax.tree.map(lambda a: a[0], self.layout.split_cores(x))
-        return jax.eval_shape(lambda: self.model.stateless_call(trainable, non_trainable, core_rows, **kwargs)[0])
+        return self._core_forward(trainable, non_trainable, x)[0]
 
     def _sample_weights(self, mask, sample_weight, real_rows, output_shapes, units):
         """Per-element weights for the loss (padding excluded, rescaled) and for the metrics (padding excluded).
