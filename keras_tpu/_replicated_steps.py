@@ -639,7 +639,10 @@ class _Program:
 
     def _place(self, state, stacked):
         replicated, by_rows = self.layout.replicated_sharding(), self.layout.batch_sharding()
-        on_cores = lambda a: isinstance(a, jax.Array) and a.sharding == replicated
+        # A Keras variable's value on the one device of a one-device layout is already where the cores' state
+        # lives: it goes to the program as it is (device_put would only wrap it again, ~8 us per array).
+        on_cores = lambda a: isinstance(a, jax.Array) and (a.sharding == replicated or
+                                                           a.sharding.is_equivalent_to(replicated, a.ndim))
         state_placed = all(on_cores(a) for a in jax.tree.leaves(state))
         if not state_placed:
             logger.debug("Copying weights to the TPU cores.")
