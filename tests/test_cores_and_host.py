@@ -39,6 +39,33 @@ for num_devices in (1, 2, 4, 8):
         assert f"DEVICES {8 // per_device} CORES PER DEVICE {per_device} OK" in result.stdout
 
 
+@pytest.mark.slow
+def test_a_keras_model_trains_the_same_on_one_two_or_eight_devices():
+    # Layouts of several devices bound the programs in flight (CoreLayout.max_programs_in_flight) while each
+    # step donates the state of the one before.
+    code = """
+import jax, numpy as np
+import keras_tpu
+from keras_tpu._cores import CoreLayout
+from keras_tpu._replicated_steps import ReplicatedSteps
+from tests.tpu_helpers import classification_data, small_classifier
+x, y = classification_data(256)
+for count in (1, 2, 8):
+    model = small_classifier()
+    steps = ReplicatedSteps(model, CoreLayout(8, devices=jax.devices()[:count]), "default")
+    model.train_function = steps.train_function(1)
+    model.make_train_function = lambda force=False: None
+    losses = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history["loss"]
+    print("DEVICES", count, "LOSSES", [round(v, 5) for v in losses])
+"""
+    result = run_python(code, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = {line.split(" LOSSES ")[0]: line.split(" LOSSES ")[1] for line in result.stdout.splitlines()
+              if line.startswith("DEVICES")}
+    assert set(losses) == {"DEVICES 1", "DEVICES 2", "DEVICES 8"}
+    assert len(set(losses.values())) == 1, losses
+
+
 def test_cores_that_cannot_be_spread_evenly_are_refused():
     with pytest.raises(ValueError, match="evenly"):
         CoreLayout(8, devices=jax.devices()[:1] * 3)
