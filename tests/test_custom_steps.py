@@ -64,12 +64,12 @@ class JaxStyleModel(keras.Model):
         return logs, (trainable_variables, non_trainable_variables, new_metrics_vars)
 
 
-def jax_style_regressor(strategy=None, seed=0):
+def jax_style_regressor(strategy=None, seed=0, features=5, hidden=16):
     keras.utils.set_random_seed(seed)
 
     def build():
-        inputs = keras.Input((5,))
-        model = JaxStyleModel(inputs, keras.layers.Dense(1)(keras.layers.Dense(16, activation="tanh")(inputs)))
+        inputs = keras.Input((features,))
+        model = JaxStyleModel(inputs, keras.layers.Dense(1)(keras.layers.Dense(hidden, activation="tanh")(inputs)))
         model.compile(keras.optimizers.SGD(0.05), "mse", metrics=["mae"])
         return model
 
@@ -79,9 +79,9 @@ def jax_style_regressor(strategy=None, seed=0):
         return build()
 
 
-def regression_data(rows, seed=0):
+def regression_data(rows, seed=0, features=5):
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((rows, 5)).astype("float32")
+    x = rng.standard_normal((rows, features)).astype("float32")
     return x, (x[:, :2].sum(axis=1, keepdims=True) * 0.5).astype("float32")
 
 
@@ -103,6 +103,20 @@ def test_a_jax_style_train_step_matches_the_cpu_on_batches_that_split_evenly(cap
     assert model.evaluate(x, y, batch_size=32, verbose=0) == pytest.approx(
         reference.evaluate(x, y, batch_size=32, verbose=0), rel=2e-5)
     assert ("train", 32, 1) in compiled_programs(caplog)
+
+
+def test_large_weights_mean_gradient_over_the_cores_matches_the_cpu():
+    # A 96 x 128 kernel: the cores' gradients are averaged by adding them row by row (keras_tpu._vector_unit),
+    # not by XLA's reduction over the core axis (YNNPACK's, up to 90x slower): the same numbers.
+    x, y = regression_data(64, features=96)
+    strategy = keras_tpu.TPUStrategy(precision="highest")
+    model = jax_style_regressor(strategy, features=96, hidden=128)
+    reference = jax_style_regressor(features=96, hidden=128)
+    got = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
+    want = reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=2e-5)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=2e-6)
 
 
 def test_a_partial_batch_runs_on_the_cores_that_split_it_without_padding(caplog):

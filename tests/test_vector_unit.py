@@ -1,0 +1,71 @@
+"""The vector unit's exact fast lowerings (keras_tpu._vector_unit): a sum over a few large leading rows."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from keras_tpu import _rewrite as rewrite
+from keras_tpu._replicated_steps import program_rule
+from keras_tpu.mxu import mxu_rule
+from keras_tpu._vector_unit import ROW_BY_ROW_MAX_ROWS, ROW_BY_ROW_MIN_ELEMENTS, leading_rows_sum, vector_unit_rule
+
+
+def _sums(fun, *args):
+    """The shapes of the sums (reduce_sum or a positional psum) in ``fun``'s program."""
+    closed = jax.make_jaxpr(fun)(*args)
+    found = rewrite.walk(closed, lambda e: e.primitive.name in ("reduce_sum", "psum"))
+    return [tuple(o.eqn.invars[0].aval.shape) for o in found]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+def test_leading_rows_sum_is_the_sum(dtype):
+    x = np.random.default_rng(0).integers(-1000, 1000, (2, 4, 3, 5)).astype(dtype)
+    for count in (1, 2, 3):
+        got = np.asarray(leading_rows_sum(jnp.asarray(x), count))
+        np.testing.assert_array_equal(got, x.sum(axis=tuple(range(count))))   # integers: exact in float32 too
+
+
+def test_the_cores_mean_gradient_is_added_row_by_row_and_equals_the_sum():
+    # A model's own train_step: each core's weight gradient (vmapped), then their mean (a psum over the core axis).
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((128, 96)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((8, 4, 128)), jnp.float32)
+
+    def cores_mean_gradient(w, x):
+        core_grad = lambda x: jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
+        return jax.vmap(lambda x: lax.pmean(core_grad(x), "cores"), axis_name="cores")(x)[0]
+
+    assert (8, 128, 96) in _sums(cores_mean_gradient, w, x)     # one psum over the core axis
+    routed = rewrite.transform(cores_mean_gradient, vector_unit_rule())
+    assert (8, 128, 96) not in _sums(routed, w, x)
+    np.testing.assert_allclose(jax.jit(routed)(w, x), cores_mean_gradient(w, x), rtol=1e-5, atol=1e-6)
+    # What XLA runs: no reduction over the core axis of the gradients (YNNPACK's, 7-90x slower).
+    hlo = jax.jit(rewrite.transform(cores_mean_gradient, program_rule("highest"))).lower(w, x).compile().as_text()
+    assert not re.search(r"= f32\[(128,96|96,128)\]\{1,0\} reduce\(", hlo), "the per-core gradients are reduced in one op"
+    unrouted = jax.jit(rewrite.transform(cores_mean_gradient, mxu_rule("highest"))).lower(w, x).compile().as_text()
+    assert re.search(r"= f32\[(128,96|96,128)\]\{1,0\} reduce\(", unrouted)      # (what the check looks for)
+
+
+def test_only_sums_of_a_few_large_rows_are_rewritten():
+    big = ROW_BY_ROW_MIN_ELEMENTS
+    cases = {   # input shape, axes summed -> rewritten?
+        ((8, big), (0,)): True,
+        ((2, 4, big), (0, 1)): True,
+        ((ROW_BY_ROW_MAX_ROWS + 1, big), (0,)): False,      # many rows: YNNPACK's reduction is fast
+        ((8, big // 2), (0,)): False,                        # small rows: as fast either way
+        ((big, 8), (1,)): False,                             # not leading axes
+        ((8, big), (0, 1)): False,                           # a full reduction
+        ((1, big), (0,)): False,
+    }
+    for (shape, axes), rewritten in cases.items():
+        x = jnp.zeros(shape, jnp.float32)
+        routed = rewrite.transform(lambda a: jnp.sum(a, axes), vector_unit_rule())
+        assert (shape in _sums(routed, x)) is not rewritten, (shape, axes)
+    # A sum over a named axis (a collective across devices or pod workers) is never a sum of rows.
+    collective = jax.make_jaxpr(lambda a: lax.psum(a, "devices"), axis_env=[("devices", 8)])(jnp.zeros((8, big)))
+    (eqn,) = collective.jaxpr.eqns
+    assert eqn.primitive.name == "psum" and vector_unit_rule()(eqn) is None
