@@ -11,8 +11,20 @@ are kept exactly.
 
 The MXU routing (:mod:`keras_tpu.mxu._routing`) and the vector-unit lowerings
 (:mod:`keras_tpu._vector_unit`) are rules.
+
+Before the rule sees a program, one algebraic fold is applied everywhere
+(:func:`fold_summed_batch_products`): a product batched over a leading axis
+whose result is only summed over that axis (through at most a transpose) is
+one product contracting that axis too. Under ``jax.vmap`` over the cores,
+each core's weight gradient is such a batched product and the cores' mean
+gradient (``lax.pmean``) its sum: as one contraction over all rows it is what
+:class:`keras_tpu._replicated_steps.ReplicatedSteps` computes, and a model's own
+``train_step`` ran its per-core products of 8 rows each 4x slower than the
+one of 64 rows (a 784x256 kernel: 0.5 against 0.13 ms). The products are the
+same; only the order of the float32 sums changes.
 """
 
+import collections
 import dataclasses
 import functools
 
@@ -36,6 +48,70 @@ def compose(*rules):
     return composed
 
 
+def _uses(jaxpr):
+    counts = collections.Counter(v for e in jaxpr.eqns for v in e.invars if isinstance(v, jex_core.Var))
+    counts.update(v for v in jaxpr.outvars if isinstance(v, jex_core.Var))
+    return counts
+
+
+def _positional_leading_sum(eqn):
+    """Whether ``eqn`` sums its one operand over axis 0 alone (``reduce_sum``, or ``psum`` over a vmapped axis)."""
+    name = eqn.primitive.name
+    if name not in ("reduce_sum", "psum") or len(eqn.invars) != 1 or tuple(eqn.params.get("axes", ())) != (0,):
+        return False
+    return name == "reduce_sum" or eqn.params.get("axis_index_groups") is None
+
+
+def fold_summed_batch_products(jaxpr):
+    """``jaxpr``'s equations with every sum over the batch axis of a ``dot_general`` folded into the product.
+
+    Matches ``sum_0(dot_general(a, b))`` and ``sum_0(transpose(dot_general(a, b)))`` (a transpose that keeps
+    axis 0 first) where the product has one batch dimension and nothing else reads the intermediate results;
+    the product then contracts the batch dimension as well. See the module docstring.
+
+    Example:
+        >>> f = lambda a, b: jnp.sum(jax.lax.dot_general(a, b, (((2,), (1,)), ((0,), (0,)))), axis=0)
+        >>> jaxpr = jax.make_jaxpr(f)(jnp.ones((8, 4, 3)), jnp.ones((8, 3, 5))).jaxpr
+        >>> [e.primitive.name for e in fold_summed_batch_products(jaxpr)]
+        ['dot_general']
+    """
+    eqns = list(jaxpr.eqns)
+    uses = _uses(jaxpr)
+    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    dropped, replaced = set(), {}
+    for i, eqn in enumerate(eqns):
+        if not _positional_leading_sum(eqn):
+            continue
+        source = eqn.invars[0]
+        transpose = None
+        j = producer.get(source)
+        if j is not None and eqns[j].primitive.name == "transpose" and uses[source] == 1:
+            perm = tuple(eqns[j].params["permutation"])
+            if perm[0] == 0 and isinstance(eqns[j].invars[0], jex_core.Var):
+                transpose, source = j, eqns[j].invars[0]
+                j = producer.get(source)
+        if j is None or j in dropped or eqns[j].primitive.name != "dot_general" or uses[source] != 1:
+            continue
+        dot = eqns[j]
+        (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
+        if len(lb) != 1 or dot.outvars[0].aval.dtype != eqn.outvars[0].aval.dtype:
+            continue
+        folded_aval = dot.outvars[0].aval.update(shape=dot.outvars[0].aval.shape[1:])
+        params = dict(dot.params, dimension_numbers=((tuple(lc) + tuple(lb), tuple(rc) + tuple(rb)), ((), ())))
+        if transpose is None:
+            replaced[j] = dot.replace(outvars=list(eqn.outvars), params=params)
+        else:
+            product = jex_core.Var(folded_aval)
+            replaced[j] = dot.replace(outvars=[product], params=params)
+            perm = tuple(p - 1 for p in eqns[transpose].params["permutation"][1:])
+            replaced[transpose] = eqns[transpose].replace(invars=[product], outvars=list(eqn.outvars),
+                                                          params=dict(eqns[transpose].params, permutation=perm))
+        dropped.add(i)
+    if not dropped:
+        return eqns
+    return [replaced.get(k, e) for k, e in enumerate(eqns) if k not in dropped]
+
+
 class _Rewriter:
     def __init__(self, rule):
         self.rule = rule
@@ -44,7 +120,8 @@ class _Rewriter:
     def jaxpr(self, jaxpr):
         key = id(jaxpr)
         if key not in self._memo:
-            self._memo[key] = (jaxpr, jaxpr.replace(eqns=[self.eqn(e) for e in jaxpr.eqns]))
+            eqns = fold_summed_batch_products(jaxpr)
+            self._memo[key] = (jaxpr, jaxpr.replace(eqns=[self.eqn(e) for e in eqns]))
         return self._memo[key][1]
 
     def closed(self, closed):

@@ -29,9 +29,30 @@ def test_leading_rows_sum_is_the_sum(dtype):
         np.testing.assert_array_equal(got, x.sum(axis=tuple(range(count))))   # integers: exact in float32 too
 
 
-def test_the_cores_mean_gradient_is_added_row_by_row_and_equals_the_sum():
-    # A model's own train_step: each core's weight gradient (vmapped), then their mean (a psum over the core axis).
+def test_the_cores_mean_of_large_per_core_values_is_added_row_by_row_and_equals_the_sum():
+    # A model's own train_step: each core's gradient (vmapped), then their mean (a psum over the core axis). An
+    # elementwise gradient: a product's gradient is folded into one product instead (see the next test).
     rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((128, 96)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((8, 4, 128, 96)), jnp.float32)
+
+    def cores_mean_gradient(w, x):
+        core_grad = lambda x: jax.grad(lambda w: jnp.sum(jnp.tanh(x * w)))(w)
+        return jax.vmap(lambda x: lax.pmean(core_grad(x), "cores"), axis_name="cores")(x)[0]
+
+    assert (8, 128, 96) in _sums(cores_mean_gradient, w, x)     # one psum over the core axis
+    routed = rewrite.transform(cores_mean_gradient, vector_unit_rule())
+    assert (8, 128, 96) not in _sums(routed, w, x)
+    np.testing.assert_allclose(jax.jit(routed)(w, x), cores_mean_gradient(w, x), rtol=1e-5, atol=1e-6)
+    # What XLA runs: no reduction over the core axis (YNNPACK's, 7-90x slower).
+    pattern = r"= f32\[(128,96|96,128)\]\{1,0\} reduce\("
+    hlo = jax.jit(rewrite.transform(cores_mean_gradient, program_rule("highest"))).lower(w, x).compile().as_text()
+    assert not re.search(pattern, hlo), "the per-core values are reduced in one op"
+    assert re.search(pattern, jax.jit(cores_mean_gradient).lower(w, x).compile().as_text())   # what it looks for
+
+
+def test_the_cores_mean_of_per_core_weight_gradients_is_one_product_over_all_rows():
+    rng = np.random.default_rng(2)
     w = jnp.asarray(rng.standard_normal((128, 96)), jnp.float32)
     x = jnp.asarray(rng.standard_normal((8, 4, 128)), jnp.float32)
 
@@ -39,15 +60,21 @@ def test_the_cores_mean_gradient_is_added_row_by_row_and_equals_the_sum():
         core_grad = lambda x: jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
         return jax.vmap(lambda x: lax.pmean(core_grad(x), "cores"), axis_name="cores")(x)[0]
 
-    assert (8, 128, 96) in _sums(cores_mean_gradient, w, x)     # one psum over the core axis
-    routed = rewrite.transform(cores_mean_gradient, vector_unit_rule())
-    assert (8, 128, 96) not in _sums(routed, w, x)
-    np.testing.assert_allclose(jax.jit(routed)(w, x), cores_mean_gradient(w, x), rtol=1e-5, atol=1e-6)
-    # What XLA runs: no reduction over the core axis of the gradients (YNNPACK's, 7-90x slower).
-    hlo = jax.jit(rewrite.transform(cores_mean_gradient, program_rule("highest"))).lower(w, x).compile().as_text()
-    assert not re.search(r"= f32\[(128,96|96,128)\]\{1,0\} reduce\(", hlo), "the per-core gradients are reduced in one op"
-    unrouted = jax.jit(rewrite.transform(cores_mean_gradient, mxu_rule("highest"))).lower(w, x).compile().as_text()
-    assert re.search(r"= f32\[(128,96|96,128)\]\{1,0\} reduce\(", unrouted)      # (what the check looks for)
+    products = lambda closed: [o.eqn for o in rewrite.walk(closed, lambda e: e.primitive.name == "dot_general")]
+    before = jax.make_jaxpr(cores_mean_gradient)(w, x)
+    assert [e.params["dimension_numbers"][1] for e in products(before)
+            if e.outvars[0].aval.shape == (8, 96, 128)] == [((0,), (0,))]     # one product per core
+    assert (8, 128, 96) in _sums(cores_mean_gradient, w, x)     # (the product, transposed)
+    after = jax.make_jaxpr(rewrite.transform(cores_mean_gradient, vector_unit_rule()))(w, x)
+    weight_gradient = [e for e in products(after) if e.outvars[0].aval.shape == (96, 128)]
+    assert len(weight_gradient) == 1 and weight_gradient[0].params["dimension_numbers"][1] == ((), ())
+    assert (8, 128, 96) not in _sums(rewrite.transform(cores_mean_gradient, vector_unit_rule()), w, x)
+    for precision in ("highest", "default"):
+        routed = jax.jit(rewrite.transform(cores_mean_gradient, program_rule(precision)))
+        want = jax.jit(rewrite.transform(cores_mean_gradient, mxu_rule(precision)))   # (also folded)
+        if precision == "highest":     # (at "default" the products are of bf16-rounded operands)
+            np.testing.assert_allclose(routed(w, x), cores_mean_gradient(w, x), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(routed(w, x), want(w, x), rtol=1e-5, atol=1e-5)
 
 
 def test_only_sums_of_a_few_large_rows_are_rewritten():
