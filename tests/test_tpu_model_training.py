@@ -193,7 +193,7 @@ def test_training_unrolls_fewer_groups_of_cores_the_more_convolutions_a_model_ha
     from keras_tpu._placement import installed_on
     from keras_tpu._replicated_steps import ReplicatedSteps
 
-    def groups(convolutions, depthwise=0, on_mxu=True):
+    def groups(convolutions, depthwise=0, on_mxu=True, core_rows=64):
         model = keras.Sequential([keras.Input((8, 8, 8))]
                                  + [keras.layers.Conv2D(8, 3, padding="same") for _ in range(convolutions)]
                                  + [keras.layers.DepthwiseConv2D(3, padding="same") for _ in range(depthwise)]
@@ -201,12 +201,15 @@ def test_training_unrolls_fewer_groups_of_cores_the_more_convolutions_a_model_ha
         model.compile("sgd", "mse")
         steps = ReplicatedSteps(model, CoreLayout(8), on_mxu=on_mxu)
         return steps._cores_unrolled([v.value for v in model.trainable_variables],
-                                     [v.value for v in model.non_trainable_variables], np.zeros((16, 8, 8, 8)))
+                                     [v.value for v in model.non_trainable_variables],
+                                     np.zeros((8 * core_rows, 8, 8, 8)))
 
     assert [groups(n) for n in (0, 1, 4, 5, 13, 21)] == [1, 8, 8, 4, 2, 1]
     # A depthwise convolution summed tap by tap on the MXU is nine products (3x3 taps): 1 + 9 copies fit
     # 2 groups, 1 + 2 x 9 only 1; off the MXU it is one XLA convolution.
     assert [groups(1, 1), groups(1, 2), groups(1, 2, on_mxu=False)] == [2, 1, 8]
+    # Below 64 rows per core the cores run vectorised: XLA's convolutions gain nothing from a core's batch.
+    assert [groups(1, core_rows=63), groups(4, core_rows=2), groups(4, core_rows=128)] == [1, 1, 8]
     # Whatever the grouping, training gives the same weights.
     x = np.random.default_rng(0).standard_normal((64, 8, 8, 2)).astype("float32")
     y = x.sum(axis=(1, 2, 3))[:, None]
