@@ -71,11 +71,11 @@ class BatchStacker:
         self.num_cores = num_cores
         self.steps = steps
         self.global_batch = 0
+        self._masks = {}  # (global batch, rows of each step) -> (mask, real_rows): most steps share one
 
     def stack(self, batches):
         if not 1 <= len(batches) <= self.steps:
             raise ValueError(f"Expected 1 to {self.steps} batches; got {len(batches)}.")
-        structure = tree.map_structure(lambda leaf: None, batches[0])
         rows = [_rows(batch) for batch in batches]
         self.global_batch = max(self.global_batch, pad_to_global_batch(max(rows), self.num_cores))
         padded, steps = self.global_batch, len(batches)
@@ -91,15 +91,25 @@ class BatchStacker:
                 out[:len(leaf), step] = np.asarray(leaf)
             return out
 
+        structure = tree.map_structure(lambda leaf: None, batches[0]) if steps > 1 else None
         for batch in batches[1:]:
             if tree.map_structure(lambda leaf: None, batch) != structure:
                 raise ValueError("All batches of a program must have the same structure "
                                  "(inputs, targets and sample weights).")
         data = tree.map_structure(stack_leaf, *batches)
-        mask = np.zeros((padded, steps), dtype=np.float32)
-        for step, count in enumerate(rows):
-            mask[:count, step] = 1.0
-        return StackedBatches(data, mask, np.asarray(rows, dtype=np.int32))
+        key = padded, tuple(rows)
+        if key not in self._masks:  # built once per shape: a small model's step is ~0.5 ms in all
+            if len(self._masks) >= 64:  # batches of ever new sizes (a generator's): keep the cache small
+                self._masks.clear()
+            mask = np.zeros((padded, steps), dtype=np.float32)
+            for step, count in enumerate(rows):
+                mask[:count, step] = 1.0
+            mask.flags.writeable = False
+            real_rows = np.asarray(rows, dtype=np.int32)
+            real_rows.flags.writeable = False
+            self._masks[key] = mask, real_rows
+        mask, real_rows = self._masks[key]
+        return StackedBatches(data, mask, real_rows)
 
 
 def unstack_outputs(outputs, stacked):

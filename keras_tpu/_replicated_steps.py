@@ -647,6 +647,7 @@ class _Program:
             self.layout.per_device(routed, in_specs=(REPLICATED, ROWS, ROWS, REPLICATED), out_specs=outputs),
             donate_argnums=0, compiler_options=XLA_CPU_OPTIONS[mode] or None)
         self._executables = {}
+        self._last_state = []  # the leaves of the state the last call returned
         self._in_flight = collections.deque()
         builder.last_programs[mode] = self
 
@@ -655,7 +656,10 @@ class _Program:
         # A Keras variable's value on a one-device layout's device is placed already (see below).
         on_cores = lambda a: isinstance(a, jax.Array) and (a.sharding == replicated or
                                                            a.sharding.is_equivalent_to(replicated, a.ndim))
-        state_placed = all(on_cores(a) for a in jax.tree.leaves(state))
+        leaves = jax.tree.leaves(state)
+        # What the last step returned is on the cores (Keras hands it back as it is).
+        returned = len(leaves) == len(self._last_state) and all(a is b for a, b in zip(leaves, self._last_state))
+        state_placed = returned or all(on_cores(a) for a in leaves)
         if not state_placed:
             logger.debug("Copying weights to the TPU cores.")
         args = (state, stacked.data, stacked.mask, stacked.real_rows)
@@ -725,6 +729,7 @@ class _Program:
             raise
         if not pod.is_multi_worker():
             result = executable(*args)
+            self._last_state = jax.tree.leaves(result[1])
             self._bound_in_flight(result)
             return result, stacked
         try:
