@@ -652,25 +652,26 @@ class _Program:
         builder.last_programs[mode] = self
 
     def _place(self, state, stacked):
+        args = (state, stacked.data, stacked.mask, stacked.real_rows)
+        leaves = jax.tree.leaves(state)
+        # Per-step Python overhead counts on small models: the state the last step returned stays where it is
+        # (Keras hands it back as it is; device_put costs ~8 us per array even then) and the batch goes to the
+        # compiled program as host arrays, which its C++ call places by its own input shardings.
+        returned = len(leaves) == len(self._last_state) and all(a is b for a, b in zip(leaves, self._last_state))
+        if returned and not pod.is_multi_worker():
+            return args
         replicated, by_rows = self.layout.replicated_sharding(), self.layout.batch_sharding()
-        # A Keras variable's value on a one-device layout's device is placed already (see below).
+        # A Keras variable's value on a one-device layout's device is placed already.
         on_cores = lambda a: isinstance(a, jax.Array) and (a.sharding == replicated or
                                                            a.sharding.is_equivalent_to(replicated, a.ndim))
-        leaves = jax.tree.leaves(state)
-        # What the last step returned is on the cores (Keras hands it back as it is).
-        returned = len(leaves) == len(self._last_state) and all(a is b for a, b in zip(leaves, self._last_state))
         state_placed = returned or all(on_cores(a) for a in leaves)
         if not state_placed:
             logger.debug("Copying weights to the TPU cores.")
-        args = (state, stacked.data, stacked.mask, stacked.real_rows)
-        shardings = (replicated, by_rows, by_rows, replicated)
         if pod.is_multi_worker():  # each worker places only its own cores' share
+            shardings = (replicated, by_rows, by_rows, replicated)
             put = lambda tree, sharding: jax.tree.map(lambda a: a if on_cores(a) and sharding == replicated
                                                       else pod.global_array(a, sharding), tree)
             return tuple(put(arg, sharding) for arg, sharding in zip(args, shardings))
-        # Per-step Python overhead counts on small models: the state stays where the last step left it
-        # (device_put costs ~8 us per array even then) and the batch goes to the compiled program as host
-        # arrays, which its C++ call places by its own input shardings.
         if state_placed:
             return args
         return (jax.device_put(state, replicated),) + args[1:]
