@@ -47,6 +47,7 @@ steps runs instead (compiled once per count): inactive steps cost nothing.
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import math
 import time
@@ -57,13 +58,13 @@ import keras
 from jax import lax
 from keras import tree
 
-from keras_tpu import _keras_private, _hbm as hbm, _pod as pod, _rewrite as rewrite
+from keras_tpu import _keras_private, _hbm as hbm, _pod as pod, _rewrite as rewrite, _rounded_weights
 from keras_tpu._logging import logger
 from keras_tpu._batching import BatchStacker, describe_input_shapes, unstack_outputs
 from keras_tpu._cores import REPLICATED, ROWS, CoreLayout
 from keras_tpu._custom_steps import CustomSteps, custom_step_methods
 from keras_tpu.mxu import _kernels as kernels
-from keras_tpu.mxu._numerics import canonical_precision
+from keras_tpu.mxu._numerics import Precision, canonical_precision
 from keras_tpu.mxu._routing import mxu_rule
 from keras_tpu._vector_unit import vector_unit_rule
 
@@ -641,25 +642,40 @@ class _Program:
         self.builder = builder
         self.layout = builder.layout
         self.stacker = BatchStacker(self.layout.num_cores, steps_per_execution)
+        # Evaluation and prediction do not change the weights: their default-precision products read bfloat16
+        # copies made once per state (see keras_tpu._rounded_weights), passed after the state.
+        self.rounds_weights = mode != "train" and builder.on_mxu and builder.precision is Precision.DEFAULT
+        if self.rounds_weights:
+            device_fn = _rounded_weights.reading_rounded_weights(device_fn, builder.precision)
+        else:
+            device_fn = functools.partial(lambda fn, state, _, *rest: fn(state, *rest), device_fn)
         routed = rewrite.transform(device_fn, builder.rule)
         outputs = (ROWS if mode == "predict" else REPLICATED, REPLICATED)
         self._jitted = jax.jit(
-            self.layout.per_device(routed, in_specs=(REPLICATED, ROWS, ROWS, REPLICATED), out_specs=outputs),
+            self.layout.per_device(routed, in_specs=(REPLICATED, REPLICATED, ROWS, ROWS, REPLICATED),
+                                   out_specs=outputs),
             donate_argnums=0, compiler_options=XLA_CPU_OPTIONS[mode] or None)
         self._executables = {}
+        self._rounded = []  # bfloat16 copies of the trainable weights the last call returned
+        self._rounded_of = []  # those weights (the copies are reused while Keras passes them back)
         self._last_state = []  # the leaves of the state the last call returned
+        self._last_call = None  # (the batch's shapes and dtypes, the executable) of the last call
         self._in_flight = collections.deque()
         builder.last_programs[mode] = self
 
-    def _place(self, state, stacked):
-        args = (state, stacked.data, stacked.mask, stacked.real_rows)
+    def _returned_last(self, state):
+        """Whether ``state`` is what the last call returned (Keras hands it back as it is)."""
         leaves = jax.tree.leaves(state)
+        return len(leaves) == len(self._last_state) and all(a is b for a, b in zip(leaves, self._last_state))
+
+    def _place(self, state, stacked, returned):
+        args = (state, stacked.data, stacked.mask, stacked.real_rows)
         # Per-step Python overhead counts on small models: the state the last step returned stays where it is
-        # (Keras hands it back as it is; device_put costs ~8 us per array even then) and the batch goes to the
-        # compiled program as host arrays, which its C++ call places by its own input shardings.
-        returned = len(leaves) == len(self._last_state) and all(a is b for a, b in zip(leaves, self._last_state))
+        # (device_put costs ~8 us per array even then) and the batch goes to the compiled program as host
+        # arrays, which its C++ call places by its own input shardings.
         if returned and not pod.is_multi_worker():
             return args
+        leaves = jax.tree.leaves(state)
         replicated, by_rows = self.layout.replicated_sharding(), self.layout.batch_sharding()
         # A Keras variable's value on a one-device layout's device is placed already.
         on_cores = lambda a: isinstance(a, jax.Array) and (a.sharding == replicated or
@@ -685,7 +701,7 @@ class _Program:
             # XLA compiles without holding the GIL, so the per-core HBM estimate (a Python trace of one
             # core's step) runs meanwhile: ResNet-20's first step is ready 0.7 s sooner.
             compiling = _COMPILER.submit(self._jitted.lower(*args).compile)
-            footprint = self.builder.hbm_footprint(self.mode, args)
+            footprint = self.builder.hbm_footprint(self.mode, (args[0],) + args[2:])  # a TPU keeps no bf16 copies
             if footprint is not None:
                 footprint.check()  # a program that would not fit a core's HBM fails here, as on a TPU
             executable = compiling.result()
@@ -722,15 +738,32 @@ class _Program:
         if self.mode == "predict":
             batches = [(keras.utils.unpack_x_y_sample_weight(b)[0], None, None) for b in batches]
         stacked = self.stacker.stack(batches)
-        args = self._place(state, stacked)
-        try:
-            executable = self._executable(args, stacked)
-        except hbm.ResourceExhaustedError:
-            _keras_private.give_back_state(self.builder.model, self.mode, state)  # nothing ran: keep the weights
-            raise
+        returned = self._returned_last(state)
+        args = self._place(state, stacked, returned)
+        if self.rounds_weights:
+            weights = jax.tree.leaves(args[0][0])
+            # A new evaluate() resets the metrics but passes back the weights: rounded once per weights.
+            if not (len(weights) == len(self._rounded_of) and all(a is b for a, b in zip(weights, self._rounded_of))):
+                self._rounded = _rounded_weights.round_weights(weights)
+        args = (args[0], self._rounded) + args[1:]
+        # A step's state has the shapes of the state it was given, so after the first step only the batch can
+        # change which program runs: its numpy shapes are a cheaper key than every weight's (~15 us per step).
+        batch_leaves, batch_structure = jax.tree.flatten(stacked.data)
+        batch_key = batch_structure, tuple((a.shape, a.dtype) for a in batch_leaves)
+        if returned and self._last_call is not None and self._last_call[0] == batch_key:
+            executable = self._last_call[1]
+        else:
+            try:
+                executable = self._executable(args, stacked)
+            except hbm.ResourceExhaustedError:
+                _keras_private.give_back_state(self.builder.model, self.mode, state)  # nothing ran: keep the weights
+                raise
+        self._last_call = batch_key, executable
         if not pod.is_multi_worker():
             result = executable(*args)
             self._last_state = jax.tree.leaves(result[1])
+            if self.rounds_weights:
+                self._rounded_of = jax.tree.leaves(result[1][0])
             self._bound_in_flight(result)
             return result, stacked
         try:

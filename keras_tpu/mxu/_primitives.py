@@ -49,8 +49,9 @@ def _static(*shapes):
 def _dot_pass(lhs, rhs, out_shape, dimension_numbers):
     """The chosen form of one bf16 pass of this dot: ``(form, pass function)``."""
     layout = kernels.dot_layout(lhs.ndim, rhs.ndim, dimension_numbers)
-    form = kernels.choose_form("dot", layout, kernels.dot_gemm(lhs.shape, rhs.shape, dimension_numbers)) \
-        if _static(lhs.shape, rhs.shape) else kernels.ROUND_F32
+    bf16_operand = (lhs.dtype == jnp.bfloat16) != (rhs.dtype == jnp.bfloat16)  # a weight rounded once
+    form = kernels.choose_form("dot", layout, kernels.dot_gemm(lhs.shape, rhs.shape, dimension_numbers),
+                               bf16_operand) if _static(lhs.shape, rhs.shape) else kernels.ROUND_F32
     return form, lambda a, b: kernels.dot_pass(a, b, dimension_numbers, form)
 
 

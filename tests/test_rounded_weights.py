@@ -1,0 +1,117 @@
+"""Evaluation and prediction read bfloat16 copies of the weights, made once per state."""
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+import pytest
+from jax import lax
+
+from keras_tpu import _rounded_weights, mxu
+from keras_tpu.mxu._numerics import round_to_bfloat16
+from tests.tpu_helpers import classification_data, on_tpu, small_classifier
+
+
+def _layer_and_head(state, x):
+    (w, b, head), = state
+    hidden = jnp.tanh(x @ w + b)
+    return jnp.dot(hidden, head, precision=lax.Precision.HIGHEST), hidden
+
+
+def test_default_precision_products_read_the_copies_and_everything_else_the_float32_weights():
+    rng = np.random.default_rng(0)
+    w, b, head = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((5, 4), (4,), (4, 3)))
+    x = jnp.asarray(rng.standard_normal((6, 5)), jnp.float32)
+    state = ([w, b, head],)
+    rounded = _rounded_weights.round_weights(state[0])
+    assert [(a.shape, a.dtype) for a in rounded] == [((5, 4), jnp.bfloat16), ((4, 3), jnp.bfloat16)]
+
+    reading = _rounded_weights.reading_rounded_weights(_layer_and_head)
+    jaxpr = jax.make_jaxpr(reading)(state, rounded, x).jaxpr
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    # The default-precision product reads the bf16 copy of w; the HIGHEST one reads the float32 head;
+    # the bias is float32 (a vector is never rounded).
+    assert [str(v.aval.dtype) for v in dots[0].invars] == ["float32", "bfloat16"]
+    assert [str(v.aval.dtype) for v in dots[1].invars] == ["float32", "float32"]
+    assert all(str(v.aval.dtype) == "float32" for e in jaxpr.eqns if e.primitive.name == "add" for v in e.invars)
+
+    # On the MXU the numbers are the ones of the float32 program: its products round to bf16 anyway.
+    out, hidden = jax.jit(mxu.route(reading))(state, rounded, x)
+    expected_out, expected_hidden = jax.jit(mxu.route(_layer_and_head))(state, x)
+    np.testing.assert_allclose(hidden, expected_hidden, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out, expected_out, rtol=1e-6, atol=1e-6)
+    # ... and not the ones of a float32 product: the rounding is really there.
+    assert not np.allclose(hidden, jnp.tanh(jnp.dot(x, w, precision="highest") + b), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(
+        hidden, jnp.tanh(jnp.dot(round_to_bfloat16(x), round_to_bfloat16(w), precision="highest") + b),
+        rtol=1e-6, atol=1e-6)
+
+
+def test_a_high_precision_program_multiplies_the_float32_weights():
+    w = jnp.full((3, 2), 1 / 3, jnp.float32)
+    reading = _rounded_weights.reading_rounded_weights(lambda state, x: x @ state[0][0], precision="highest")
+    jaxpr = jax.make_jaxpr(reading)(([w],), _rounded_weights.round_weights([w]), jnp.ones((1, 3))).jaxpr
+    (dot,) = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert [str(v.aval.dtype) for v in dot.invars] == ["float32", "float32"]
+
+
+def _count_roundings(monkeypatch):
+    calls = []
+    original = _rounded_weights.round_weights
+
+    def counting(trainable):
+        calls.append(len(jax.tree.leaves(trainable)))
+        return original(trainable)
+
+    monkeypatch.setattr(_rounded_weights, "round_weights", counting)
+    return calls
+
+
+def test_evaluation_rounds_the_weights_once_and_leaves_the_model_weights_float32(monkeypatch):
+    calls = _count_roundings(monkeypatch)
+    x, y = classification_data(200)
+    model = small_classifier()
+    tpu = on_tpu(model, "default")
+    tpu.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    weights = [np.array(w) for w in tpu.get_weights()]
+    assert calls == []  # training changes the weights every step: nothing to round once
+
+    first = tpu.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)  # 7 steps
+    again = tpu.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+    predicted = tpu.predict(x, batch_size=32, verbose=0)
+    # Once for the first evaluation's state; the second gets the state back as the first left it; predict
+    # is its own program.
+    assert calls == [4, 4]
+    assert first == again
+    for before, after in zip(weights, tpu.get_weights()):
+        assert after.dtype == np.float32
+        np.testing.assert_array_equal(after, before)
+
+    # New weights (another fit) are rounded again, and the results follow them.
+    tpu.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    later = tpu.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+    assert len(calls) == 3 and later["loss"] != first["loss"]
+    assert not np.allclose(tpu.predict(x, batch_size=32, verbose=0), predicted)
+    assert len(calls) == 4
+
+
+@pytest.mark.parametrize("precision", ["default", "highest"])
+def test_evaluation_matches_the_same_model_without_copies(monkeypatch, precision):
+    x, y = classification_data(100)
+    model = small_classifier()
+    model.fit(x, y, batch_size=20, epochs=2, verbose=0)
+
+    def run():
+        tpu = on_tpu(keras.models.clone_model(model), precision)
+        tpu.set_weights(model.get_weights())
+        tpu.compile(loss="sparse_categorical_crossentropy", metrics=["sparse_categorical_accuracy"])
+        return tpu.evaluate(x, y, batch_size=40, verbose=0), tpu.predict(x, batch_size=40, verbose=0)
+
+    with_copies = run()
+    # As before: the float32 weights, rounded by each product.
+    monkeypatch.setattr(_rounded_weights, "reading_rounded_weights",
+                        lambda fn, precision: (lambda state, rounded, *rest: fn(state, *rest)))
+    monkeypatch.setattr(_rounded_weights, "round_weights", lambda trainable: [])
+    without = run()
+    np.testing.assert_allclose(with_copies[0], without[0], rtol=1e-6)
+    np.testing.assert_allclose(with_copies[1], without[1], rtol=1e-5, atol=1e-6)
