@@ -115,3 +115,17 @@ def test_evaluation_matches_the_same_model_without_copies(monkeypatch, precision
     without = run()
     np.testing.assert_allclose(with_copies[0], without[0], rtol=1e-6)
     np.testing.assert_allclose(with_copies[1], without[1], rtol=1e-5, atol=1e-6)
+
+
+def test_a_dot_reading_a_rounded_weight_runs_native_where_that_was_measured_faster(monkeypatch):
+    from keras_tpu.mxu import _kernels as kernels
+
+    monkeypatch.setattr(kernels, "host_class", lambda: "bf16")
+    choose = lambda gemm, rounded: kernels.choose_form("dot", "forward", gemm, bf16_operand=rounded)
+    # At batch 32 a float32 forward dot stays on round_f32; with the weight already in bf16 it goes native.
+    assert [choose((1, 32, 784, 512), False), choose((1, 32, 784, 512), True)] == ["round_f32", "bf16"]
+    # A 10-class head does not gain, nor does a weight gradient's layout.
+    assert choose((1, 128, 1600, 10), True) == "round_f32"
+    assert kernels.choose_form("dot", "lhs_transposed", (1, 32, 784, 512), bf16_operand=True) != "bf16"
+    monkeypatch.setattr(kernels, "host_class", lambda: "no_bf16")
+    assert choose((1, 32, 784, 512), True) == "round_f32"

@@ -195,10 +195,12 @@ class ShapeRule:
     min_k: int = 1
     max_k: float = math.inf
     min_m: int = 1
+    min_n: int = 1
 
     def __call__(self, gemm):
         _, m, k, n = gemm
-        fits = min(m, n) >= self.min_free and m >= self.min_m and self.min_k <= k <= self.max_k
+        fits = (min(m, n) >= self.min_free and m >= self.min_m and n >= self.min_n
+                and self.min_k <= k <= self.max_k)
         return self.form if fits else ROUND_F32
 
 
@@ -393,16 +395,23 @@ def _measured_choice(kind, layout, gemm):
     return min(rows, key=distance)[3]
 
 
+#: A forward dot one of whose operands is a weight rounded once (see :func:`choose_form`).
+ROUNDED_WEIGHT_FORWARD = ShapeRule(BF16, min_k=64, min_n=64)
+
+
 def choose_form(kind, layout, gemm, bf16_operand=False):
     """The form for one op: forced, else from a measured table, else the built-in table, else ``round_f32``.
 
     ``kind`` is ``"dot"`` or ``"conv"``; ``gemm`` is ``(batch or groups, M, K, N)``.
     ``bf16_operand``: an operand arrives in bfloat16 (a weight rounded once for a
     whole evaluation, :mod:`keras_tpu._rounded_weights`). On a ``"bf16"`` host a
-    forward dot then runs native at every shape: with the weight's conversion
-    gone, 32x784x512 took 133 us native against 310 us in ``round_f32`` (the
-    weight converted back to float32 per call) and 163 us plain float32;
-    128x1024x1024 904 against 1640 and 1594.
+    forward dot then runs native at any M once N and K reach 64
+    (:data:`ROUNDED_WEIGHT_FORWARD`): with the weight's conversion gone,
+    32x784x512 took 131 us native against 285 us in ``round_f32`` (the weight
+    converted back to float32 per call) and 162 us plain float32, 16x256x256
+    21 / 41 / 33, 128x1024x1024 904 / 1640 / 1594. A 10-class head ties in
+    isolation (128x1600x10: 123 / 137 / 78) but cost keras.io's MNIST convnet
+    ~0.5 ms of its 4 ms evaluation step native, so it stays on the table's form.
     """
     forms = DOT_FORMS if kind == "dot" else CONV_FORMS
     forced = forced_form()
@@ -413,7 +422,7 @@ def choose_form(kind, layout, gemm, bf16_operand=False):
         return measured
     host = host_class()
     if bf16_operand and host == "bf16" and (kind, layout) == ("dot", "forward"):
-        return BF16
+        return ROUNDED_WEIGHT_FORWARD(gemm)
     return builtin_choice(host, kind, layout, gemm)
 
 
