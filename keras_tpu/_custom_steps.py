@@ -38,7 +38,7 @@ from keras import tree
 from keras_tpu import _keras_private, _pod as pod, _rewrite as rewrite
 from keras_tpu._logging import logger
 from keras_tpu._batching import describe_input_shapes
-from keras_tpu._cores import CORE_AXIS
+from keras_tpu._cores import CORE_AXIS, same_arrays
 from keras_tpu.mxu import _kernels as kernels
 
 STEP_METHODS = ("train_step", "test_step", "predict_step")
@@ -235,7 +235,7 @@ class _CustomProgram:
     def _state_on_cores(self, state):
         """``state`` on the cores' device(s): as it is when it is what the last step returned."""
         leaves = jax.tree.leaves(state)
-        if len(leaves) == len(self._last_state) and all(a is b for a, b in zip(leaves, self._last_state)):
+        if same_arrays(leaves, self._last_state):
             return state
         device = self.layout.replicated_sharding()
         if all(isinstance(a, jax.Array) and a.sharding.is_equivalent_to(device, a.ndim) for a in leaves):

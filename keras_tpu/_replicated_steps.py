@@ -47,7 +47,6 @@ steps runs instead (compiled once per count): inactive steps cost nothing.
 import collections
 import concurrent.futures
 import dataclasses
-import functools
 import itertools
 import math
 import time
@@ -61,7 +60,7 @@ from keras import tree
 from keras_tpu import _keras_private, _hbm as hbm, _pod as pod, _rewrite as rewrite, _rounded_weights
 from keras_tpu._logging import logger
 from keras_tpu._batching import BatchStacker, describe_input_shapes, unstack_outputs
-from keras_tpu._cores import REPLICATED, ROWS, CoreLayout
+from keras_tpu._cores import REPLICATED, ROWS, CoreLayout, same_arrays
 from keras_tpu._custom_steps import CustomSteps, custom_step_methods
 from keras_tpu.mxu import _kernels as kernels
 from keras_tpu.mxu._numerics import Precision, canonical_precision
@@ -646,10 +645,11 @@ class _Program:
         # copies made once per state (see keras_tpu._rounded_weights), passed after the state.
         self.rounds_weights = mode != "train" and builder.on_mxu and builder.precision is Precision.DEFAULT
         if self.rounds_weights:
-            device_fn = _rounded_weights.reading_rounded_weights(device_fn, builder.precision)
+            step_fn = _rounded_weights.reading_rounded_weights(device_fn, builder.precision)
         else:
-            device_fn = functools.partial(lambda fn, state, _, *rest: fn(state, *rest), device_fn)
-        routed = rewrite.transform(device_fn, builder.rule)
+            def step_fn(state, _no_copies, *rest):
+                return device_fn(state, *rest)
+        routed = rewrite.transform(step_fn, builder.rule)
         outputs = (ROWS if mode == "predict" else REPLICATED, REPLICATED)
         self._jitted = jax.jit(
             self.layout.per_device(routed, in_specs=(REPLICATED, REPLICATED, ROWS, ROWS, REPLICATED),
@@ -663,11 +663,6 @@ class _Program:
         self._in_flight = collections.deque()
         builder.last_programs[mode] = self
 
-    def _returned_last(self, state):
-        """Whether ``state`` is what the last call returned (Keras hands it back as it is)."""
-        leaves = jax.tree.leaves(state)
-        return len(leaves) == len(self._last_state) and all(a is b for a, b in zip(leaves, self._last_state))
-
     def _place(self, state, stacked, returned):
         args = (state, stacked.data, stacked.mask, stacked.real_rows)
         # Per-step Python overhead counts on small models: the state the last step returned stays where it is
@@ -680,7 +675,7 @@ class _Program:
         # A Keras variable's value on a one-device layout's device is placed already.
         on_cores = lambda a: isinstance(a, jax.Array) and (a.sharding == replicated or
                                                            a.sharding.is_equivalent_to(replicated, a.ndim))
-        state_placed = returned or all(on_cores(a) for a in leaves)
+        state_placed = all(on_cores(a) for a in leaves)
         if not state_placed:
             logger.debug("Copying weights to the TPU cores.")
         if pod.is_multi_worker():  # each worker places only its own cores' share
@@ -738,12 +733,12 @@ class _Program:
         if self.mode == "predict":
             batches = [(keras.utils.unpack_x_y_sample_weight(b)[0], None, None) for b in batches]
         stacked = self.stacker.stack(batches)
-        returned = self._returned_last(state)
+        returned = same_arrays(jax.tree.leaves(state), self._last_state)  # Keras hands the state back as it is
         args = self._place(state, stacked, returned)
-        if self.rounds_weights:
+        if self.rounds_weights and not returned:
             weights = jax.tree.leaves(args[0][0])
             # A new evaluate() resets the metrics but passes back the weights: rounded once per weights.
-            if not (len(weights) == len(self._rounded_of) and all(a is b for a, b in zip(weights, self._rounded_of))):
+            if not same_arrays(weights, self._rounded_of):
                 self._rounded = _rounded_weights.round_weights(weights)
         args = (args[0], self._rounded) + args[1:]
         # A step's state has the shapes of the state it was given, so after the first step only the batch can

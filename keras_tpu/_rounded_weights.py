@@ -26,7 +26,6 @@ from jax.extend import core as jex_core
 from keras_tpu.mxu._numerics import Precision, canonical_precision, op_precision
 
 
-
 def roundable(leaves):
     """Positions of the float32 arrays of two or more dimensions among ``leaves`` (kernels, not biases).
 
