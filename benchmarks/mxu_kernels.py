@@ -75,6 +75,9 @@ DOT_SHAPES = [
     (None, 16384, 128, 128), (None, 16384, 128, 512), (None, 16384, 512, 128),    # Transformer projections, FFN
     (None, 1024, 64, 256),                                                        # embedding model
     (1024, 64, 32, 64), (1024, 64, 64, 32),                                       # attention, (batch x heads)
+    (None, 64, 784, 256), (None, 64, 256, 10),                                    # benchmarks/users_code.py's
+    (None, 32, 784, 512), (None, 32, 512, 512), (None, 32, 512, 10),              # MLPs at batch 64 and 32
+    (None, 16, 1024, 1024),                                                       # a batch of 16
 ]
 QUICK_DOT_SHAPES = [(None, 1024, 1024, 1024)]
 # Attention dots exactly as Keras' MultiHeadAttention and autodiff emit them on one core's

@@ -97,7 +97,10 @@ def fold_summed_batch_products(jaxpr):
         if len(lb) != 1 or dot.outvars[0].aval.dtype != eqn.outvars[0].aval.dtype:
             continue
         folded_aval = dot.outvars[0].aval.update(shape=dot.outvars[0].aval.shape[1:])
-        params = dict(dot.params, dimension_numbers=((tuple(lc) + tuple(lb), tuple(rc) + tuple(rb)), ((), ())))
+        # The batch axis contracts first: the pairs are the same either way, but in this order the
+        # contracting axes of [cores, rows, features] operands are leading and in order, so a product stays a
+        # plain matrix product (a weight gradient of the rows: kernels.dot_layout's "lhs_transposed").
+        params = dict(dot.params, dimension_numbers=((tuple(lb) + tuple(lc), tuple(rb) + tuple(rc)), ((), ())))
         if transpose is None:
             replaced[j] = dot.replace(outvars=list(eqn.outvars), params=params)
         else:

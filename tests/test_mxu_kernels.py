@@ -349,10 +349,15 @@ def test_bf16_host_table_takes_native_forms_only_where_they_were_measured_faster
     # The Transformer's FFN weight gradients contract 16384 rows: native too.
     assert choice("dot", "lhs_transposed", (1, 128, 16384, 512)) == kernels.BF16_SWAPPED
     assert choice("dot", "forward", (1, 64, 4096, 4096)) == kernels.ROUND_F32
+    # Weight gradients over a small global batch (keras.io's MLPs at batch 32 and 64) and a 10-class head's
+    # weight gradient: native once 16 rows are contracted into an input side of 64 features or more.
+    assert choice("dot", "lhs_transposed", (1, 256, 64, 784)) == kernels.BF16_SWAPPED
+    assert choice("dot", "lhs_transposed", (1, 10, 1024, 1024)) == kernels.BF16_SWAPPED
+    assert choice("dot", "lhs_transposed", (1, 1024, 8, 1024)) == kernels.ROUND_F32
+    assert choice("dot", "lhs_transposed", (1, 64, 1024, 10)) == kernels.ROUND_F32
     # Narrow outputs (a 10-class head), attention-sized batched dots and thin input gradients
     # measured faster as round_f32.
     assert choice("dot", "forward", (1, 1024, 1024, 10)) == kernels.ROUND_F32
-    assert choice("dot", "lhs_transposed", (1, 10, 1024, 1024)) == kernels.ROUND_F32
     assert choice("dot", "forward", (1024, 64, 32, 64)) == kernels.ROUND_F32
     assert choice("dot", "rhs_transposed", (1024, 32, 64, 64)) == kernels.ROUND_F32
     assert choice("dot", "rhs_transposed", (1, 128, 512, 3136)) == kernels.ROUND_F32

@@ -10,7 +10,7 @@ from jax import lax
 
 from keras_tpu import _rewrite as rewrite
 from keras_tpu._replicated_steps import program_rule
-from keras_tpu.mxu import mxu_rule
+from keras_tpu.mxu import _kernels as kernels, mxu_rule
 from keras_tpu._vector_unit import ROW_BY_ROW_MAX_ROWS, ROW_BY_ROW_MIN_ELEMENTS, leading_rows_sum, vector_unit_rule
 
 
@@ -68,6 +68,12 @@ def test_the_cores_mean_of_per_core_weight_gradients_is_one_product_over_all_row
     after = jax.make_jaxpr(rewrite.transform(cores_mean_gradient, vector_unit_rule()))(w, x)
     weight_gradient = [e for e in products(after) if e.outvars[0].aval.shape == (96, 128)]
     assert len(weight_gradient) == 1 and weight_gradient[0].params["dimension_numbers"][1] == ((), ())
+    # The core axis contracts first: the operands' contracting axes lead in order, so the product is the
+    # plain weight-gradient layout on [cores x rows, features] matrices (kernels' table chooses its form).
+    (lc, rc), _ = weight_gradient[0].params["dimension_numbers"]
+    assert (tuple(lc), tuple(rc)) == ((0, 1), (0, 1))
+    lhs, rhs = (v.aval for v in weight_gradient[0].invars)
+    assert kernels.dot_layout(lhs.ndim, rhs.ndim, weight_gradient[0].params["dimension_numbers"]) == "lhs_transposed"
     assert (8, 128, 96) not in _sums(rewrite.transform(cores_mean_gradient, vector_unit_rule()), w, x)
     for precision in ("highest", "default"):
         routed = jax.jit(rewrite.transform(cores_mean_gradient, program_rule(precision)))
