@@ -222,6 +222,29 @@ class CoreLayout:
             return tree
         return jax.tree.map(lambda x: lax.all_gather(x, DEVICE_AXIS, axis=0, tiled=True), tree)
 
+    def device_shapes(self, args, specs):
+        """What one device's program sees of ``args`` (global arrays, one :data:`ROWS` or :data:`REPLICATED` spec
+        each): ``jax.ShapeDtypeStruct`` pytrees, :data:`ROWS` arguments' rows divided over the devices.
+
+        With :meth:`axis_env`, for tracing a device program abstractly outside :meth:`per_device`.
+
+        Example:
+            >>> CoreLayout.abstract(8, num_devices=2).device_shapes((np.ones((16, 3)),), (ROWS,))[0].shape
+            (8, 3)
+        """
+        def local(a, spec):
+            shape = tuple(np.shape(a))
+            if spec == ROWS:
+                shape = (shape[0] // self.num_devices,) + shape[1:]
+            # As a jitted program sees it: NumPy's int64 labels arrive as int32 unless x64 is on.
+            return jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(a.dtype))
+
+        return tuple(jax.tree.map(lambda a, spec=spec: local(a, spec), arg) for arg, spec in zip(args, specs))
+
+    def axis_env(self):
+        """The collective axes of a device program, for :func:`jax.make_jaxpr`'s ``axis_env``."""
+        return [(DEVICE_AXIS, self.num_devices)]
+
     def per_device(self, device_fn, in_specs, out_specs):
         """Turn ``device_fn`` (one device's program) into a function of global arrays.
 

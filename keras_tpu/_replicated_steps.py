@@ -633,6 +633,10 @@ class ReplicatedSteps:
 class _Program:
     """The compiled programs of one mode (one per number of stacked steps) and their feeding."""
 
+    #: How the device program's arguments (state, data, mask, real rows) lie over the devices; an inference
+    #: program's bfloat16 weight copies follow the state, replicated.
+    _ARGUMENT_SPECS = (REPLICATED, ROWS, ROWS, REPLICATED)
+
     def __init__(self, mode, builder, steps_per_execution, device_fn):
         steps_per_execution = int(steps_per_execution)
         if steps_per_execution < 1:
@@ -645,19 +649,20 @@ class _Program:
         # copies made once per state (see keras_tpu._rounded_weights), passed after the state.
         self.rounds_weights = mode != "train" and builder.on_mxu and builder.precision is Precision.DEFAULT
         if self.rounds_weights:
-            step_fn = _rounded_weights.reading_rounded_weights(device_fn, builder.precision)
+            step_fn = self._reading_copies = _rounded_weights.reading_rounded_weights(device_fn, builder.precision)
         else:
             def step_fn(state, _no_copies, *rest):
                 return device_fn(state, *rest)
         routed = rewrite.transform(step_fn, builder.rule)
         outputs = (ROWS if mode == "predict" else REPLICATED, REPLICATED)
         self._jitted = jax.jit(
-            self.layout.per_device(routed, in_specs=(REPLICATED, REPLICATED, ROWS, ROWS, REPLICATED),
+            self.layout.per_device(routed, in_specs=(REPLICATED, REPLICATED) + self._ARGUMENT_SPECS[1:],
                                    out_specs=outputs),
             donate_argnums=0, compiler_options=XLA_CPU_OPTIONS[mode] or None)
         self._executables = {}
-        self._rounded = []  # bfloat16 copies of the trainable weights the last call returned
+        self._rounded = []  # bfloat16 copies of the trainable weights the last call returned that it reads
         self._rounded_of = []  # those weights (the copies are reused while Keras passes them back)
+        self._rounded_read = None  # their positions among the trainable weights
         self._last_state = []  # the leaves of the state the last call returned
         self._last_call = None  # (the batch's shapes and dtypes, the executable) of the last call
         self._in_flight = collections.deque()
@@ -721,6 +726,21 @@ class _Program:
         while len(self._in_flight) > limit:
             jax.block_until_ready(self._in_flight.popleft())
 
+    def _round_weights(self, args):
+        """Make the bfloat16 copies the program reads of the weights in ``args`` (see keras_tpu._rounded_weights),
+        unless the copies at hand are of these weights already.
+
+        Only weights the program's products multiply get a copy (traced abstractly once per shape, a trace the
+        compile reuses), not a table that is only looked up. A new evaluate() resets the metrics but passes back
+        the weights: they are rounded once per set of weights.
+        """
+        weights = jax.tree.leaves(args[0][0])
+        read = self._reading_copies.read_weights(*self.layout.device_shapes(args, self._ARGUMENT_SPECS),
+                                                 axis_env=self.layout.axis_env())
+        if read != self._rounded_read or not same_arrays(weights, self._rounded_of):
+            self._rounded = _rounded_weights.round_weights(weights, read)
+            self._rounded_read = read
+
     def _call(self, state, iterator):
         batches = []
         for _ in range(self.stacker.steps):
@@ -735,17 +755,15 @@ class _Program:
         stacked = self.stacker.stack(batches)
         returned = same_arrays(jax.tree.leaves(state), self._last_state)  # Keras hands the state back as it is
         args = self._place(state, stacked, returned)
-        if self.rounds_weights and not returned:
-            weights = jax.tree.leaves(args[0][0])
-            # A new evaluate() resets the metrics but passes back the weights: rounded once per weights.
-            if not same_arrays(weights, self._rounded_of):
-                self._rounded = _rounded_weights.round_weights(weights)
-        args = (args[0], self._rounded) + args[1:]
         # A step's state has the shapes of the state it was given, so after the first step only the batch can
         # change which program runs: its numpy shapes are a cheaper key than every weight's (~15 us per step).
         batch_leaves, batch_structure = jax.tree.flatten(stacked.data)
         batch_key = batch_structure, tuple((a.shape, a.dtype) for a in batch_leaves)
-        if returned and self._last_call is not None and self._last_call[0] == batch_key:
+        same_program = returned and self._last_call is not None and self._last_call[0] == batch_key
+        if self.rounds_weights and not same_program:
+            self._round_weights(args)
+        args = (args[0], self._rounded) + args[1:]
+        if same_program:
             executable = self._last_call[1]
         else:
             try:

@@ -3,10 +3,13 @@
 At the default precision the MXU multiplies bfloat16 values, so every step of
 a float32 model rounds each weight it multiplies. Training changes the weights
 every step; evaluation and prediction do not. Their programs therefore take,
-besides the float32 state, bfloat16 copies of the trainable weights made once
-for a state (:func:`round_weights`), and a ``dot_general`` at the default
-precision that reads a weight directly multiplies the copy
-(:func:`reading_rounded_weights`). Everything else (a bias, an embedding
+besides the float32 state, bfloat16 copies made once for a state
+(:func:`round_weights`) of the trainable weights their products multiply
+(:meth:`ReadingRoundedWeights.read_weights`), and a ``dot_general`` at the
+default precision that reads a weight directly multiplies the copy
+(:func:`reading_rounded_weights`). A weight no such product reads gets no copy
+(an embedding table that is only looked up would otherwise cost half its size
+again for nothing). Everything else (a bias, an embedding
 lookup, a product at ``high`` or ``highest`` precision, a convolution, whose
 kernel is small and which XLA:CPU runs no faster on bfloat16 operands) reads
 the float32 weight, and the state a program returns is the float32 one. The
@@ -41,27 +44,95 @@ def _to_bfloat16(arrays):
     return [a.astype(jnp.bfloat16) for a in arrays]
 
 
-def round_weights(trainable):
-    """bfloat16 copies of the roundable arrays of ``trainable`` (a pytree), in :func:`roundable` order.
+def round_weights(trainable, positions=None):
+    """bfloat16 copies of the arrays of ``trainable`` (a pytree) at ``positions`` (default: every
+    :func:`roundable` array), in that order.
 
     Example:
         >>> [a.dtype for a in round_weights([jnp.ones((3, 4)), jnp.ones(4)])]
         [dtype(bfloat16)]
+        >>> round_weights([jnp.ones((3, 4)), jnp.ones((5, 2))], positions=[1])[0].shape
+        (5, 2)
     """
     leaves = jax.tree.leaves(trainable)
-    return _to_bfloat16([leaves[i] for i in roundable(leaves)])
+    return _to_bfloat16([leaves[i] for i in (roundable(leaves) if positions is None else positions)])
+
+
+def _signature(leaves):
+    """What a trace of a function depends on: each argument's shape, dtype and weak type."""
+    return tuple((tuple(a.shape), jnp.dtype(a.dtype), bool(getattr(a, "weak_type", False))) for a in leaves)
+
+
+class ReadingRoundedWeights:
+    """``fn(state, *rest)`` as ``fn(state, rounded, *rest)``, its default-precision products reading ``rounded``.
+
+    ``state[0]`` holds the trainable weights. Every ``dot_general`` at the top
+    level of ``fn``'s program that runs at the default precision (the op asks
+    for none higher and ``precision`` is ``"default"``) and takes one of those
+    weights as an operand takes its bfloat16 copy instead; the result keeps its
+    float32 type. Products inside nested programs (a ``scan`` body, say) keep
+    reading the float32 weight, and so does everything that is not such a
+    product (an embedding lookup, a convolution): :meth:`read_weights` says
+    which weights get a copy, and ``rounded`` is
+    ``round_weights(state[0], read_weights(...))``. A weight no product reads
+    (a 100,000-row embedding table, say) costs no copy.
+
+    ``fn`` is traced once per signature of its arguments, by :meth:`read_weights`
+    (abstractly, before the program is compiled) or by the first call; a call
+    with the same shapes reuses that trace.
+
+    Example:
+        >>> f = reading_rounded_weights(lambda state, x: x @ state[0][0] + state[0][1].sum())
+        >>> w, table = jnp.full((3, 2), 1 / 3), jnp.ones((10, 4))
+        >>> f.read_weights(([w, table],), jnp.ones((1, 3)))
+        [0]
+        >>> f(([w, table],), round_weights([w, table], [0]), jnp.ones((1, 3))).dtype
+        dtype('float32')
+    """
+
+    def __init__(self, fn, precision="default"):
+        self.fn = fn
+        self.default = canonical_precision(precision)
+        self._traces = {}  # argument signature -> (closed jaxpr, output structure, positions read)
+
+    def _trace(self, state, rest, axis_env=None):
+        leaves = jax.tree.leaves((state, *rest))
+        key = jax.tree.structure((state, *rest)), _signature(leaves)
+        if key not in self._traces:
+            closed, out_shape = jax.make_jaxpr(self.fn, axis_env=axis_env, return_shape=True)(state, *rest)
+            weights = closed.jaxpr.invars[:len(jax.tree.leaves(state[0]))]  # the program's first inputs
+            read = {v for eqn in closed.jaxpr.eqns if _multiplies_a_copy(eqn, self.default)
+                    for v in eqn.invars[:2] if isinstance(v, jex_core.Var)}
+            positions = [i for i in roundable([v.aval for v in weights]) if weights[i] in read]
+            self._traces[key] = closed, jax.tree.structure(out_shape), positions
+        return self._traces[key]
+
+    def read_weights(self, state, *rest, axis_env=None):
+        """Positions in ``jax.tree.leaves(state[0])`` of the weights whose copies the program reads.
+
+        The arguments may be ``jax.ShapeDtypeStruct`` pytrees (nothing is
+        computed); ``axis_env`` names the collective axes ``fn`` uses, as in
+        :func:`jax.make_jaxpr`.
+        """
+        return self._trace(state, rest, axis_env)[2]
+
+    def __call__(self, state, rounded, *rest):
+        closed, out_structure, positions = self._trace(state, rest)
+        if len(rounded) != len(positions):
+            raise ValueError(f"The program reads bfloat16 copies of {len(positions)} weights (positions {positions} "
+                             f"of state[0]); got {len(rounded)}: pass round_weights(state[0], read_weights(...)).")
+        jaxpr = closed.jaxpr
+        weights = jaxpr.invars[:len(jax.tree.leaves(state[0]))]
+        copies = [jex_core.Var(jax.core.ShapedArray(weights[i].aval.shape, jnp.bfloat16)) for i in positions]
+        copy_of = {weights[i]: copy for i, copy in zip(positions, copies)}
+        eqns = [_reading_copies(eqn, copy_of, self.default) for eqn in jaxpr.eqns]
+        rewritten = jaxpr.replace(invars=jaxpr.invars + copies, eqns=eqns)
+        flat = jax.tree.leaves((state, *rest)) + list(rounded)
+        return jax.tree.unflatten(out_structure, jax.core.eval_jaxpr(rewritten, closed.consts, *flat))
 
 
 def reading_rounded_weights(fn, precision="default"):
-    """``fn(state, *rest)`` as ``fn(state, rounded, *rest)``, its default-precision products reading ``rounded``.
-
-    ``state[0]`` holds the trainable weights and ``rounded`` is
-    ``round_weights(state[0])``. Every ``dot_general`` at the
-    top level of ``fn``'s program that runs at the default precision (the op
-    asks for none higher and ``precision`` is ``"default"``) and takes one of
-    those weights as an operand takes its bfloat16 copy instead; the result
-    keeps its float32 type. Products inside nested programs (a ``scan`` body,
-    say) keep reading the float32 weight.
+    """``fn(state, *rest)`` as ``fn(state, rounded, *rest)``: a :class:`ReadingRoundedWeights`.
 
     Example:
         >>> f = reading_rounded_weights(lambda state, x: x @ state[0][0])
@@ -69,33 +140,24 @@ def reading_rounded_weights(fn, precision="default"):
         >>> f(([w],), round_weights([w]), jnp.ones((1, 3))).dtype
         dtype('float32')
     """
-    default = canonical_precision(precision)
+    return ReadingRoundedWeights(fn, precision)
 
-    def with_rounded(state, rounded, *rest):
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(state, *rest)
-        jaxpr = closed.jaxpr
-        weights = jaxpr.invars[:len(jax.tree.leaves(state[0]))]  # the program's first inputs are state[0]'s
-        positions = roundable([v.aval for v in weights])
-        copies = [jex_core.Var(jax.core.ShapedArray(weights[i].aval.shape, jnp.bfloat16)) for i in positions]
-        copy_of = {weights[i]: copy for i, copy in zip(positions, copies)}
-        eqns = [_reading_copies(eqn, copy_of, default) for eqn in jaxpr.eqns]
-        rewritten = jaxpr.replace(invars=jaxpr.invars + copies, eqns=eqns)
-        flat = jax.tree.leaves((state, *rest)) + list(rounded)
-        out = jax.core.eval_jaxpr(rewritten, closed.consts, *flat)
-        return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
-    return with_rounded
+def _multiplies_a_copy(eqn, default):
+    """Whether ``eqn`` is a default-precision float32 product, which may multiply a weight's bfloat16 copy."""
+    if eqn.primitive is not lax.dot_general_p:
+        return False
+    if op_precision(eqn.params.get("precision"), default) is not Precision.DEFAULT:
+        return False
+    return eqn.outvars[0].aval.dtype == jnp.float32 and all(v.aval.dtype == jnp.float32 for v in eqn.invars[:2])
 
 
 def _reading_copies(eqn, copy_of, default):
     """``eqn`` with its weight operands replaced by their bfloat16 copies, where it is a default-precision product."""
-    if eqn.primitive is not lax.dot_general_p or not any(v in copy_of for v in eqn.invars[:2] if isinstance(v, jex_core.Var)):
+    if not any(v in copy_of for v in eqn.invars[:2] if isinstance(v, jex_core.Var)):
         return eqn
-    if op_precision(eqn.params.get("precision"), default) is not Precision.DEFAULT:
-        return eqn
-    out_dtype = eqn.outvars[0].aval.dtype
-    if out_dtype != jnp.float32 or any(v.aval.dtype != jnp.float32 for v in eqn.invars[:2]):
+    if not _multiplies_a_copy(eqn, default):
         return eqn
     invars = [copy_of.get(v, v) if isinstance(v, jex_core.Var) else v for v in eqn.invars]
     # Mixed operand types need the result type spelled out (float32, as before).
-    return eqn.replace(invars=invars, params=dict(eqn.params, preferred_element_type=out_dtype))
+    return eqn.replace(invars=invars, params=dict(eqn.params, preferred_element_type=eqn.outvars[0].aval.dtype))

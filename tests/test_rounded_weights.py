@@ -27,6 +27,8 @@ def test_default_precision_products_read_the_copies_and_everything_else_the_floa
     assert [(a.shape, a.dtype) for a in rounded] == [((5, 4), jnp.bfloat16), ((4, 3), jnp.bfloat16)]
 
     reading = _rounded_weights.reading_rounded_weights(_layer_and_head)
+    assert reading.read_weights(state, x) == [0]  # the head is multiplied at HIGHEST precision: no copy
+    rounded = _rounded_weights.round_weights(state[0], [0])
     jaxpr = jax.make_jaxpr(reading)(state, rounded, x).jaxpr
     dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
     # The default-precision product reads the bf16 copy of w; the HIGHEST one reads the float32 head;
@@ -50,7 +52,8 @@ def test_default_precision_products_read_the_copies_and_everything_else_the_floa
 def test_a_high_precision_program_multiplies_the_float32_weights():
     w = jnp.full((3, 2), 1 / 3, jnp.float32)
     reading = _rounded_weights.reading_rounded_weights(lambda state, x: x @ state[0][0], precision="highest")
-    jaxpr = jax.make_jaxpr(reading)(([w],), _rounded_weights.round_weights([w]), jnp.ones((1, 3))).jaxpr
+    assert reading.read_weights(([w],), jnp.ones((1, 3))) == []
+    jaxpr = jax.make_jaxpr(reading)(([w],), [], jnp.ones((1, 3))).jaxpr
     (dot,) = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
     assert [str(v.aval.dtype) for v in dot.invars] == ["float32", "float32"]
 
@@ -59,9 +62,9 @@ def _count_roundings(monkeypatch):
     calls = []
     original = _rounded_weights.round_weights
 
-    def counting(trainable):
+    def counting(trainable, positions=None):
         calls.append(len(jax.tree.leaves(trainable)))
-        return original(trainable)
+        return original(trainable, positions)
 
     monkeypatch.setattr(_rounded_weights, "round_weights", counting)
     return calls
@@ -109,9 +112,15 @@ def test_evaluation_matches_the_same_model_without_copies(monkeypatch, precision
 
     with_copies = run()
     # As before: the float32 weights, rounded by each product.
-    monkeypatch.setattr(_rounded_weights, "reading_rounded_weights",
-                        lambda fn, precision: (lambda state, rounded, *rest: fn(state, *rest)))
-    monkeypatch.setattr(_rounded_weights, "round_weights", lambda trainable: [])
+    class WithoutCopies(_rounded_weights.ReadingRoundedWeights):
+        def read_weights(self, state, *rest, axis_env=None):
+            return []
+
+        def __call__(self, state, rounded, *rest):
+            assert rounded == []
+            return self.fn(state, *rest)
+
+    monkeypatch.setattr(_rounded_weights, "reading_rounded_weights", WithoutCopies)
     without = run()
     np.testing.assert_allclose(with_copies[0], without[0], rtol=1e-6)
     np.testing.assert_allclose(with_copies[1], without[1], rtol=1e-5, atol=1e-6)
@@ -129,3 +138,49 @@ def test_a_dot_reading_a_rounded_weight_runs_native_where_that_was_measured_fast
     assert kernels.choose_form("dot", "lhs_transposed", (1, 32, 784, 512), bf16_operand=True) != "bf16"
     monkeypatch.setattr(kernels, "host_class", lambda: "no_bf16")
     assert choose((1, 32, 784, 512), True) == "round_f32"
+
+
+def test_only_weights_a_product_reads_get_a_copy():
+    """An embedding table that is only looked up, and a convolution's kernel, get no bfloat16 copy."""
+    rng = np.random.default_rng(0)
+    table, kernel, w = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((50, 4), (3, 4, 4), (4, 2)))
+
+    def lookup_conv_dense(state, ids):
+        table, kernel, w = state[0]
+        x = jnp.take(table, ids, axis=0)                      # (rows, 6, 4)
+        x = lax.conv_general_dilated(x, kernel, (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"))
+        return jnp.mean(x, axis=1) @ w
+
+    reading = _rounded_weights.reading_rounded_weights(lookup_conv_dense)
+    ids = jnp.asarray(rng.integers(0, 50, (3, 6)), jnp.int32)
+    state = ([table, kernel, w],)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (state, ids))
+    assert reading.read_weights(*abstract) == [2]
+    rounded = _rounded_weights.round_weights(state[0], [2])
+    assert [(a.shape, a.dtype) for a in rounded] == [((4, 2), jnp.bfloat16)]
+    got = jax.jit(mxu.route(reading))(state, rounded, ids)
+    assert len(reading._traces) == 1  # the compile reused read_weights' abstract trace
+    np.testing.assert_allclose(got, jax.jit(mxu.route(lookup_conv_dense))(state, ids), rtol=1e-6, atol=1e-6)
+
+
+def test_evaluating_an_embedding_model_copies_its_dense_kernels_not_its_table(monkeypatch):
+    copied = []
+    original = _rounded_weights.round_weights
+
+    def recording(trainable, positions=None):
+        copies = original(trainable, positions)
+        copied.append([a.shape for a in copies])
+        return copies
+
+    monkeypatch.setattr(_rounded_weights, "round_weights", recording)
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 1000, (64, 8)).astype(np.int32), rng.integers(0, 2, (64,))
+    inputs = keras.Input((8,), dtype="int32")
+    hidden = keras.layers.Dense(16, activation="relu")(keras.layers.GlobalAveragePooling1D()(
+        keras.layers.Embedding(1000, 8)(inputs)))
+    model = keras.Model(inputs, keras.layers.Dense(2, activation="softmax")(hidden))
+    model.compile("adam", "sparse_categorical_crossentropy")
+    tpu = on_tpu(model, "default")
+    loss = tpu.evaluate(x, y, batch_size=32, verbose=0)
+    assert copied == [[(8, 16), (16, 2)]]  # the two kernels the products read; no (1000, 8) table
+    np.testing.assert_allclose(loss, model.evaluate(x, y, batch_size=32, verbose=0), rtol=1e-2)
