@@ -77,6 +77,13 @@ SEED_STRIDE = 0x9E3779B1
 XLA_CPU_OPTIONS = {mode: kernels.compiler_options(mode) for mode in ("train", "test", "predict")}
 
 
+#: A training program's products read bfloat16 copies of the weights, which each step returns of the weights it
+#: wrote, when its products reading weights have fewer rows than this; with more rows it rounds each weight in
+#: every product, as the rounding is then a small part of the products' work and the copies' extra writes cost as
+#: much. In-process A/B, copies against rounding in every product: keras.io's MLP at batch 32 (32 rows) 1.13x
+#: faster, the zoo's Transformer (16384 rows) 1.02x, the zoo's MLP at batch 1024 0.95-0.99x.
+TRAINING_COPIES_BELOW_ROWS = 256
+
 #: Compiles programs in the background while the caller estimates their HBM footprint (see _Program._executable).
 _COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="keras-tpu-compile")
 
@@ -647,8 +654,8 @@ class ReplicatedSteps:
 class _Program:
     """The compiled programs of one mode (one per number of stacked steps) and their feeding."""
 
-    #: How the device program's arguments (state, data, mask, real rows) lie over the devices; an inference
-    #: program's bfloat16 weight copies follow the state, replicated.
+    #: How the device program's arguments (state, data, mask, real rows) lie over the devices; the bfloat16
+    #: weight copies follow the state, replicated.
     _ARGUMENT_SPECS = (REPLICATED, ROWS, ROWS, REPLICATED)
 
     def __init__(self, mode, builder, steps_per_execution, device_fn):
@@ -659,28 +666,58 @@ class _Program:
         self.builder = builder
         self.layout = builder.layout
         self.stacker = BatchStacker(self.layout.num_cores, steps_per_execution)
-        # Evaluation and prediction do not change the weights: their default-precision products read bfloat16
-        # copies made once per state (see keras_tpu._rounded_weights), passed after the state.
-        self.rounds_weights = mode != "train" and builder.on_mxu and builder.precision is Precision.DEFAULT
-        if self.rounds_weights:
-            step_fn = self._reading_copies = _rounded_weights.reading_rounded_weights(device_fn, builder.precision)
-        else:
-            def step_fn(state, _no_copies, *rest):
-                return device_fn(state, *rest)
-        routed = rewrite.transform(step_fn, builder.rule)
-        outputs = (ROWS if mode == "predict" else REPLICATED, REPLICATED)
-        self._jitted = jax.jit(
-            self.layout.per_device(routed, in_specs=(REPLICATED, REPLICATED) + self._ARGUMENT_SPECS[1:],
-                                   out_specs=outputs),
-            donate_argnums=0, compiler_options=XLA_CPU_OPTIONS[mode] or None)
+        # Default-precision products read bfloat16 copies of the weights they multiply (see
+        # keras_tpu._rounded_weights), passed after the state. Evaluation and prediction do not change the weights:
+        # their copies are made once per state. A training step changes them: where its products have few rows
+        # (see TRAINING_COPIES_BELOW_ROWS) it returns the copies of the weights it wrote, rounded in the optimizer
+        # update's own pass, for the next step to read (forward products and input gradients alike), instead of
+        # rounding every weight again in each of its products.
+        self.rounds_weights = builder.on_mxu and builder.precision is Precision.DEFAULT
+        self._device_fn = device_fn
+        self._reading_copies = _rounded_weights.reading_rounded_weights(device_fn, builder.precision) \
+            if self.rounds_weights else None
+        self._jitted = {}  # reads copies -> the jitted program (see _program)
         self._executables = {}
         self._rounded = []  # bfloat16 copies of the trainable weights the last call returned that it reads
         self._rounded_of = []  # those weights (the copies are reused while Keras passes them back)
         self._rounded_read = None  # their positions among the trainable weights
+        self._reads_copies = self.rounds_weights  # whether the program of the last call reads copies
         self._last_state = []  # the leaves of the state the last call returned
         self._last_call = None  # (the batch's shapes and dtypes, the executable) of the last call
         self._in_flight = collections.deque()
         builder.last_programs[mode] = self
+
+    def _program(self, copies):
+        """The jitted program of this mode, its products reading bfloat16 weight copies (``copies``) or not.
+
+        Either way it takes ``(state, copies, data, mask, real rows)``; a training program reading copies also
+        returns those of the weights it wrote. Both forms run the device step as traced once by
+        :class:`keras_tpu._rounded_weights.ReadingRoundedWeights`.
+        """
+        if copies in self._jitted:
+            return self._jitted[copies]
+        device_fn, reading, train = self._device_fn, self._reading_copies, self.mode == "train"
+        if reading is None:
+            def step_fn(state, _no_copies, *rest):
+                return device_fn(state, *rest)
+        elif not copies:
+            def step_fn(state, _no_copies, *rest):
+                return reading.without_copies(state, *rest)
+        elif train:
+            def step_fn(state, rounded, *rest):
+                logs, new_state = reading(state, rounded, *rest)
+                read = reading.read_weights(state, *rest)  # known from the trace above
+                weights = jax.tree.leaves(new_state[0])
+                return logs, new_state, [weights[i].astype(jnp.bfloat16) for i in read]
+        else:
+            step_fn = reading
+        outputs = (ROWS if self.mode == "predict" else REPLICATED, REPLICATED) + ((REPLICATED,) if copies and train
+                                                                                 else ())
+        self._jitted[copies] = jax.jit(
+            self.layout.per_device(rewrite.transform(step_fn, self.builder.rule),
+                                   in_specs=(REPLICATED, REPLICATED) + self._ARGUMENT_SPECS[1:], out_specs=outputs),
+            donate_argnums=(0, 1) if len(outputs) == 3 else 0, compiler_options=XLA_CPU_OPTIONS[self.mode] or None)
+        return self._jitted[copies]
 
     def _place(self, state, stacked, returned):
         args = (state, stacked.data, stacked.mask, stacked.real_rows)
@@ -714,7 +751,7 @@ class _Program:
             started = time.perf_counter()
             # XLA compiles without holding the GIL, so the per-core HBM estimate (a Python trace of one
             # core's step) runs meanwhile: ResNet-20's first step is ready 0.7 s sooner.
-            compiling = _COMPILER.submit(self._jitted.lower(*args).compile)
+            compiling = _COMPILER.submit(self._program(self._reads_copies).lower(*args).compile)
             footprint = self.builder.hbm_footprint(self.mode, (args[0],) + args[2:])  # a TPU keeps no bf16 copies
             if footprint is not None:
                 footprint.check()  # a program that would not fit a core's HBM fails here, as on a TPU
@@ -749,8 +786,13 @@ class _Program:
         the weights: they are rounded once per set of weights.
         """
         weights = jax.tree.leaves(args[0][0])
-        read = self._reading_copies.read_weights(*self.layout.device_shapes(args, self._ARGUMENT_SPECS),
-                                                 axis_env=self.layout.axis_env())
+        shapes, axis_env = self.layout.device_shapes(args, self._ARGUMENT_SPECS), self.layout.axis_env()
+        read = self._reading_copies.read_weights(*shapes, axis_env=axis_env)
+        if self.mode == "train":
+            rows = self._reading_copies.product_rows(*shapes, axis_env=axis_env)
+            self._reads_copies = rows is not None and rows < TRAINING_COPIES_BELOW_ROWS
+            if not self._reads_copies:
+                read = []
         if read != self._rounded_read or not same_arrays(weights, self._rounded_of):
             self._rounded = _rounded_weights.round_weights(weights, read)
             self._rounded_read = read
@@ -787,18 +829,25 @@ class _Program:
                 raise
         self._last_call = batch_key, executable
         if not pod.is_multi_worker():
-            result = executable(*args)
+            result = self._kept_copies(executable(*args))
             self._last_state = jax.tree.leaves(result[1])
-            if self.rounds_weights:
-                self._rounded_of = jax.tree.leaves(result[1][0])
             self._bound_in_flight(result)
             return result, stacked
         try:
-            return jax.block_until_ready(executable(*args)), stacked
+            return self._kept_copies(jax.block_until_ready(executable(*args))), stacked
         except Exception as error:  # a collective with a worker that is gone
             raise pod.WorkerLostError(
                 f"The TPU {self.mode} step failed because a worker of the pod stopped ({error}). Restart all "
                 f"workers; training resumes from the last checkpoint.") from error
+
+    def _kept_copies(self, result):
+        """``(outputs or logs, state)`` of a program's result; the bfloat16 copies it read, or those a training
+        step returned of the weights it wrote, are kept for the next call."""
+        if self.rounds_weights:
+            if len(result) == 3:
+                self._rounded = result[2]
+            self._rounded_of = jax.tree.leaves(result[1][0])
+        return result[:2]
 
     def run_for_logs(self, state, iterator):
         (logs, state), _ = self._call(state, iterator)

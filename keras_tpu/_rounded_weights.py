@@ -2,7 +2,10 @@
 
 At the default precision the MXU multiplies bfloat16 values, so every step of
 a float32 model rounds each weight it multiplies. Training changes the weights
-every step; evaluation and prediction do not. Their programs therefore take,
+every step (a training program with few rows per product reads the copies the
+step before returned of the weights it wrote, see
+``keras_tpu._replicated_steps.TRAINING_COPIES_BELOW_ROWS``); evaluation and
+prediction do not. Their programs therefore take,
 besides the float32 state, bfloat16 copies made once for a state
 (:func:`round_weights`) of the trainable weights their products multiply
 (:meth:`ReadingRoundedWeights.read_weights`), and a ``dot_general`` at the
@@ -20,6 +23,8 @@ MLP (784-512-512-10) at batch 32 ran a 32x784x512 product in 313 us with both
 operands rounded per call against 133 us on a bfloat16 copy, and plain
 float32 in 163 us (``lax.dot_general`` alone, this project's 2-core host).
 """
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +84,8 @@ class ReadingRoundedWeights:
 
     ``fn`` is traced once per signature of its arguments, by :meth:`read_weights`
     (abstractly, before the program is compiled) or by the first call; a call
-    with the same shapes reuses that trace.
+    with the same shapes reuses that trace, and so does :meth:`without_copies`,
+    the same program multiplying the float32 weights.
 
     Example:
         >>> f = reading_rounded_weights(lambda state, x: x @ state[0][0] + state[0][1].sum())
@@ -93,7 +99,8 @@ class ReadingRoundedWeights:
     def __init__(self, fn, precision="default"):
         self.fn = fn
         self.default = canonical_precision(precision)
-        self._traces = {}  # argument signature -> (closed jaxpr, output structure, positions read)
+        # argument signature -> (closed jaxpr, output structure, positions read, fewest rows of a product reading one)
+        self._traces = {}
 
     def _trace(self, state, rest, axis_env=None):
         leaves = jax.tree.leaves((state, *rest))
@@ -101,10 +108,16 @@ class ReadingRoundedWeights:
         if key not in self._traces:
             closed, out_shape = jax.make_jaxpr(self.fn, axis_env=axis_env, return_shape=True)(state, *rest)
             weights = closed.jaxpr.invars[:len(jax.tree.leaves(state[0]))]  # the program's first inputs
-            read = {v for eqn in closed.jaxpr.eqns if _multiplies_a_copy(eqn, self.default)
-                    for v in eqn.invars[:2] if isinstance(v, jex_core.Var)}
-            positions = [i for i in roundable([v.aval for v in weights]) if weights[i] in read]
-            self._traces[key] = closed, jax.tree.structure(out_shape), positions
+            candidates = set(weights[i] for i in roundable([v.aval for v in weights]))
+            rows = {}  # weight -> the fewest rows of a product reading it
+            for eqn in closed.jaxpr.eqns:
+                if _multiplies_a_copy(eqn, self.default):
+                    for side, v in enumerate(eqn.invars[:2]):
+                        if isinstance(v, jex_core.Var) and v in candidates:
+                            rows[v] = min(rows.get(v, math.inf), _product_rows(eqn, 1 - side))
+            positions = [i for i, v in enumerate(weights) if v in rows]
+            fewest = min(rows.values()) if rows else None
+            self._traces[key] = closed, jax.tree.structure(out_shape), positions, fewest
         return self._traces[key]
 
     def read_weights(self, state, *rest, axis_env=None):
@@ -116,8 +129,23 @@ class ReadingRoundedWeights:
         """
         return self._trace(state, rest, axis_env)[2]
 
+    def product_rows(self, state, *rest, axis_env=None):
+        """The fewest rows (the other operand's free size) of a product that reads a copy, or ``None``.
+
+        Rounding a weight costs a pass over it; its products cost that pass
+        times their rows: below a few hundred rows the rounding is a large
+        part of the work.
+        """
+        return self._trace(state, rest, axis_env)[3]
+
+    def without_copies(self, state, *rest):
+        """``fn(state, *rest)`` itself, from the same trace: its products read the float32 weights."""
+        closed, out_structure, _, _ = self._trace(state, rest)
+        return jax.tree.unflatten(out_structure, jax.core.eval_jaxpr(closed.jaxpr, closed.consts,
+                                                                     *jax.tree.leaves((state, *rest))))
+
     def __call__(self, state, rounded, *rest):
-        closed, out_structure, positions = self._trace(state, rest)
+        closed, out_structure, positions, _ = self._trace(state, rest)
         if len(rounded) != len(positions):
             raise ValueError(f"The program reads bfloat16 copies of {len(positions)} weights (positions {positions} "
                              f"of state[0]); got {len(rounded)}: pass round_weights(state[0], read_weights(...)).")
@@ -141,6 +169,13 @@ def reading_rounded_weights(fn, precision="default"):
         dtype('float32')
     """
     return ReadingRoundedWeights(fn, precision)
+
+
+def _product_rows(eqn, operand):
+    """The free size of operand ``operand`` (0: lhs, 1: rhs) of a ``dot_general``: its rows in the product."""
+    (contracting, batch) = (axes[operand] for axes in eqn.params["dimension_numbers"])
+    shape = eqn.invars[operand].aval.shape
+    return math.prod(d for i, d in enumerate(shape) if i not in contracting and i not in batch)
 
 
 def _multiplies_a_copy(eqn, default):

@@ -70,14 +70,17 @@ def _count_roundings(monkeypatch):
     return calls
 
 
-def test_evaluation_rounds_the_weights_once_and_leaves_the_model_weights_float32(monkeypatch):
+def test_weights_are_rounded_once_per_fit_and_evaluation_and_the_model_weights_stay_float32(monkeypatch):
     calls = _count_roundings(monkeypatch)
     x, y = classification_data(200)
     model = small_classifier()
     tpu = on_tpu(model, "default")
     tpu.fit(x, y, batch_size=32, epochs=1, verbose=0)
     weights = [np.array(w) for w in tpu.get_weights()]
-    assert calls == []  # training changes the weights every step: nothing to round once
+    # Training changes the weights every step: its first step reads copies made here, each later step those the
+    # step before returned (rounded in the optimizer update), so the copies were made once for the whole fit.
+    assert calls == [4]
+    del calls[:]
 
     first = tpu.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)  # 7 steps
     again = tpu.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
@@ -90,12 +93,14 @@ def test_evaluation_rounds_the_weights_once_and_leaves_the_model_weights_float32
         assert after.dtype == np.float32
         np.testing.assert_array_equal(after, before)
 
-    # New weights (another fit) are rounded again, and the results follow them.
+    # New weights (another fit, which rounds the weights evaluate() handed back once) are rounded again, and the
+    # results follow them.
     tpu.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert len(calls) == 3
     later = tpu.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
-    assert len(calls) == 3 and later["loss"] != first["loss"]
+    assert len(calls) == 4 and later["loss"] != first["loss"]
     assert not np.allclose(tpu.predict(x, batch_size=32, verbose=0), predicted)
-    assert len(calls) == 4
+    assert len(calls) == 5
 
 
 @pytest.mark.parametrize("precision", ["default", "highest"])
@@ -184,3 +189,55 @@ def test_evaluating_an_embedding_model_copies_its_dense_kernels_not_its_table(mo
     loss = tpu.evaluate(x, y, batch_size=32, verbose=0)
     assert copied == [[(8, 16), (16, 2)]]  # the two kernels the products read; no (1000, 8) table
     np.testing.assert_allclose(loss, model.evaluate(x, y, batch_size=32, verbose=0), rtol=1e-2)
+
+
+def test_training_on_copies_returned_by_each_step_matches_rounding_in_every_product(monkeypatch):
+    """Each training step reads the copies the step before returned: the weights after several fits, with new
+    weights set in between (stale copies would show), are those of rounding the weights in every product."""
+    x, y = classification_data(200)
+
+    def train():
+        model = small_classifier()
+        tpu = on_tpu(model, "default")
+        tpu.fit(x, y, batch_size=32, epochs=2, verbose=0)
+        tpu.evaluate(x, y, batch_size=32, verbose=0)
+        tpu.set_weights([w * 0.5 for w in tpu.get_weights()])   # not the weights the last step returned
+        tpu.fit(x, y, batch_size=40, epochs=1, verbose=0)
+        return tpu.get_weights()
+
+    with_copies = train()
+
+    class WithoutCopies(_rounded_weights.ReadingRoundedWeights):
+        def read_weights(self, state, *rest, axis_env=None):
+            return []
+
+        def __call__(self, state, rounded, *rest):
+            assert rounded == []
+            return self.fn(state, *rest)
+
+    monkeypatch.setattr(_rounded_weights, "reading_rounded_weights", WithoutCopies)
+    without = train()
+    for a, b in zip(with_copies, without):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_training_with_many_rows_per_product_rounds_in_each_product_and_keeps_no_copies(monkeypatch):
+    """From TRAINING_COPIES_BELOW_ROWS rows the products outweigh a pass over the weights: no copies."""
+    from keras_tpu._replicated_steps import TRAINING_COPIES_BELOW_ROWS
+
+    copied = []
+    original = _rounded_weights.round_weights
+
+    def recording(trainable, positions=None):
+        copies = original(trainable, positions)
+        copied.append([a.shape for a in copies])
+        return copies
+
+    monkeypatch.setattr(_rounded_weights, "round_weights", recording)
+    x, y = classification_data(2 * TRAINING_COPIES_BELOW_ROWS)
+    tpu = on_tpu(small_classifier(), "default")
+    tpu.fit(x, y, batch_size=TRAINING_COPIES_BELOW_ROWS, epochs=1, verbose=0)
+    assert copied == [[]]
+    tpu = on_tpu(small_classifier(), "default")
+    tpu.fit(x, y, batch_size=TRAINING_COPIES_BELOW_ROWS // 8, epochs=1, verbose=0)  # 32 rows: copies of both kernels
+    assert copied[1:] == [[(6, 16), (16, 3)]]
