@@ -35,11 +35,12 @@ import keras
 from jax import lax
 from keras import tree
 
-from keras_tpu import _keras_private, _pod as pod, _rewrite as rewrite
+from keras_tpu import _keras_private, _pod as pod, _rewrite as rewrite, _rounded_weights
 from keras_tpu._logging import logger
 from keras_tpu._batching import describe_input_shapes
-from keras_tpu._cores import CORE_AXIS, same_arrays
+from keras_tpu._cores import CORE_AXIS, REPLICATED, same_arrays
 from keras_tpu.mxu import _kernels as kernels
+from keras_tpu.mxu._numerics import Precision
 
 STEP_METHODS = ("train_step", "test_step", "predict_step")
 
@@ -204,22 +205,61 @@ class _CustomProgram:
         self._jitted = {}
         self._executables = {}
         self._last_state = []  # the leaves of the state the last step returned
+        # Products at the default precision read bfloat16 copies of the weights (see keras_tpu._rounded_weights):
+        # made once per set of weights for test and predict steps; a training step with few rows per product
+        # returns the copies of the weights it wrote for the next step.
+        builder = custom.builder
+        self._rounds_weights = builder.on_mxu and builder.precision is Precision.DEFAULT
+        self._readings = {}  # cores -> the device step reading copies (a ReadingRoundedWeights)
+        self._copies = _rounded_weights.WeightCopies()
+        self._last_call = None  # (cores, the batch's shapes, whether the program reads copies) of the last step
 
-    def _executable(self, cores, state, data):
-        jitted = self._jitted.get(cores)
+    def _reading(self, cores):
+        if cores not in self._readings:
+            self._readings[cores] = _rounded_weights.reading_rounded_weights(
+                self.custom.device_step(self.mode, cores), self.custom.builder.precision)
+        return self._readings[cores]
+
+    def _program(self, cores, copies):
+        jitted = self._jitted.get((cores, copies))
         if jitted is None:
+            train = self.mode == "train"
+            if self._rounds_weights:
+                step_fn = self._reading(cores).step(copies, returns_copies=train)
+            else:
+                device_step = self.custom.device_step(self.mode, cores)
+
+                def step_fn(state, _no_copies, data):
+                    return device_step(state, data)
             # The XLA:CPU options of the replicated programs (keras_tpu.mxu._kernels.compiler_options): with
             # XLA's defaults YNNPACK ran a DCGAN's per-core weight-gradient convolutions ~10x slower.
-            jitted = jax.jit(rewrite.transform(self.custom.device_step(self.mode, cores), self._rule),
-                             donate_argnums=0, compiler_options=kernels.compiler_options(self.mode) or None)
-            self._jitted[cores] = jitted
-        leaves, structure = jax.tree.flatten((state, data))
-        key = cores, structure, tuple((a.shape, a.dtype) for a in leaves)
+            jitted = jax.jit(rewrite.transform(step_fn, self._rule), donate_argnums=(0, 1) if copies and train else 0,
+                             compiler_options=kernels.compiler_options(self.mode) or None)
+            self._jitted[(cores, copies)] = jitted
+        return jitted
+
+    def _weight_copies(self, cores, state, data):
+        """``(reads copies, the copies)`` for a step of ``cores`` cores on ``state`` and ``data``."""
+        if not self._rounds_weights:
+            return False, []
+        reading = self._reading(cores)
+        shapes = self.layout.device_shapes((state, data), (REPLICATED, REPLICATED))
+        read = reading.read_weights(*shapes)
+        copies = True
+        if self.mode == "train":
+            rows = reading.product_rows(*shapes)
+            copies = rows is not None and rows < _rounded_weights.TRAINING_COPIES_BELOW_ROWS
+        return copies, self._copies.for_weights(jax.tree.leaves(state[0]), read if copies else [])
+
+    def _executable(self, cores, copies, state, rounded, data):
+        jitted = self._program(cores, copies)
+        leaves, structure = jax.tree.flatten((state, rounded, data))
+        key = cores, copies, structure, tuple((a.shape, a.dtype) for a in leaves)
         executable = self._executables.get(key)
         if executable is None:
             started = time.perf_counter()
             # Compiled for a batch on the cores' device(s); later batches go to it as host arrays.
-            executable = jitted.lower(state, jax.device_put(data, self.layout.replicated_sharding())).compile()
+            executable = jitted.lower(state, rounded, jax.device_put(data, self.layout.replicated_sharding())).compile()
             self._executables[key] = executable
             rows = _rows(data)
             x = keras.utils.unpack_x_y_sample_weight(data)[0] if isinstance(data, tuple) else data
@@ -250,8 +290,18 @@ class _CustomProgram:
         # Per-step overhead is most of a small model's step (~1 ms here): the state stays where the last step
         # left it, and the batch goes to the compiled program as host arrays, which its C++ call places by its
         # own input shardings (a device_put first cost 0.4 ms per step; jnp.asarray 2 ms per array).
+        returned = same_arrays(jax.tree.leaves(state), self._last_state)
         state = self._state_on_cores(state)
-        output, state = self._executable(cores, state, data)(state, data)
+        batch = tuple((a.shape, a.dtype) for a in jax.tree.leaves(data))
+        if returned and self._last_call is not None and self._last_call[:2] == (cores, batch):
+            copies, rounded = self._last_call[2], self._copies.copies  # the state the last step returned
+        else:
+            copies, rounded = self._weight_copies(cores, state, data)
+        self._last_call = cores, batch, copies
+        result = self._executable(cores, copies, state, rounded, data)(state, rounded, data)
+        output, state = result[:2]
+        if self._rounds_weights:
+            self._copies.returned(jax.tree.leaves(state[0]), result[2] if len(result) == 3 else None)
         self._last_state = jax.tree.leaves(state)
         return output, state
 

@@ -77,13 +77,6 @@ SEED_STRIDE = 0x9E3779B1
 XLA_CPU_OPTIONS = {mode: kernels.compiler_options(mode) for mode in ("train", "test", "predict")}
 
 
-#: A training program's products read bfloat16 copies of the weights, which each step returns of the weights it
-#: wrote, when its products reading weights have fewer rows than this; with more rows it rounds each weight in
-#: every product, as the rounding is then a small part of the products' work and the copies' extra writes cost as
-#: much. In-process A/B, copies against rounding in every product: keras.io's MLP at batch 32 (32 rows) 1.13x
-#: faster, the zoo's Transformer (16384 rows) 1.02x, the zoo's MLP at batch 1024 0.95-0.99x.
-TRAINING_COPIES_BELOW_ROWS = 256
-
 #: Compiles programs in the background while the caller estimates their HBM footprint (see _Program._executable).
 _COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="keras-tpu-compile")
 
@@ -669,18 +662,16 @@ class _Program:
         # Default-precision products read bfloat16 copies of the weights they multiply (see
         # keras_tpu._rounded_weights), passed after the state. Evaluation and prediction do not change the weights:
         # their copies are made once per state. A training step changes them: where its products have few rows
-        # (see TRAINING_COPIES_BELOW_ROWS) it returns the copies of the weights it wrote, rounded in the optimizer
-        # update's own pass, for the next step to read (forward products and input gradients alike), instead of
-        # rounding every weight again in each of its products.
+        # (keras_tpu._rounded_weights.TRAINING_COPIES_BELOW_ROWS) it returns the copies of the weights it wrote,
+        # rounded in the optimizer update's own pass, for the next step to read (forward products and input
+        # gradients alike), instead of rounding every weight again in each of its products.
         self.rounds_weights = builder.on_mxu and builder.precision is Precision.DEFAULT
         self._device_fn = device_fn
         self._reading_copies = _rounded_weights.reading_rounded_weights(device_fn, builder.precision) \
             if self.rounds_weights else None
         self._jitted = {}  # reads copies -> the jitted program (see _program)
         self._executables = {}
-        self._rounded = []  # bfloat16 copies of the trainable weights the last call returned that it reads
-        self._rounded_of = []  # those weights (the copies are reused while Keras passes them back)
-        self._rounded_read = None  # their positions among the trainable weights
+        self._copies = _rounded_weights.WeightCopies()  # the bfloat16 weight copies the next call reads
         self._reads_copies = self.rounds_weights  # whether the program of the last call reads copies
         self._last_state = []  # the leaves of the state the last call returned
         self._last_call = None  # (the batch's shapes and dtypes, the executable) of the last call
@@ -700,17 +691,8 @@ class _Program:
         if reading is None:
             def step_fn(state, _no_copies, *rest):
                 return device_fn(state, *rest)
-        elif not copies:
-            def step_fn(state, _no_copies, *rest):
-                return reading.without_copies(state, *rest)
-        elif train:
-            def step_fn(state, rounded, *rest):
-                logs, new_state = reading(state, rounded, *rest)
-                read = reading.read_weights(state, *rest)  # known from the trace above
-                weights = jax.tree.leaves(new_state[0])
-                return logs, new_state, [weights[i].astype(jnp.bfloat16) for i in read]
         else:
-            step_fn = reading
+            step_fn = reading.step(copies, returns_copies=train)
         outputs = (ROWS if self.mode == "predict" else REPLICATED, REPLICATED) + ((REPLICATED,) if copies and train
                                                                                  else ())
         self._jitted[copies] = jax.jit(
@@ -790,12 +772,10 @@ class _Program:
         read = self._reading_copies.read_weights(*shapes, axis_env=axis_env)
         if self.mode == "train":
             rows = self._reading_copies.product_rows(*shapes, axis_env=axis_env)
-            self._reads_copies = rows is not None and rows < TRAINING_COPIES_BELOW_ROWS
+            self._reads_copies = rows is not None and rows < _rounded_weights.TRAINING_COPIES_BELOW_ROWS
             if not self._reads_copies:
                 read = []
-        if read != self._rounded_read or not same_arrays(weights, self._rounded_of):
-            self._rounded = _rounded_weights.round_weights(weights, read)
-            self._rounded_read = read
+        self._copies.for_weights(weights, read)
 
     def _call(self, state, iterator):
         batches = []
@@ -818,7 +798,7 @@ class _Program:
         same_program = returned and self._last_call is not None and self._last_call[0] == batch_key
         if self.rounds_weights and not same_program:
             self._round_weights(args)
-        args = (args[0], self._rounded) + args[1:]
+        args = (args[0], self._copies.copies) + args[1:]
         if same_program:
             executable = self._last_call[1]
         else:
@@ -844,9 +824,7 @@ class _Program:
         """``(outputs or logs, state)`` of a program's result; the bfloat16 copies it read, or those a training
         step returned of the weights it wrote, are kept for the next call."""
         if self.rounds_weights:
-            if len(result) == 3:
-                self._rounded = result[2]
-            self._rounded_of = jax.tree.leaves(result[1][0])
+            self._copies.returned(jax.tree.leaves(result[1][0]), result[2] if len(result) == 3 else None)
         return result[:2]
 
     def run_for_logs(self, state, iterator):

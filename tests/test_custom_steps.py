@@ -416,3 +416,31 @@ def test_a_metric_logged_under_another_key_is_combined_across_cores():
     got = tpu.fit(x, 3 * x[:, :1], batch_size=16, shuffle=False, verbose=0).history["loss"]
     want = build().fit(x, 3 * x[:, :1], batch_size=16, shuffle=False, verbose=0).history["loss"]
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_own_steps_at_the_default_precision_read_weight_copies_with_the_same_numbers(monkeypatch):
+    """A model's own steps multiply bfloat16 copies of the weights (a training step with few rows per product
+    returns those of the weights it wrote, rounded once for the whole fit): the numbers of rounding each weight
+    in every product."""
+    from keras_tpu import _rounded_weights
+    from tests.tpu_helpers import WithoutWeightCopies, record_weight_copies
+
+    x, y = regression_data(128)
+
+    def run():
+        model = jax_style_regressor(keras_tpu.TPUStrategy())
+        history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
+        model.set_weights([w * 0.9 for w in model.get_weights()])   # weights the last step did not return
+        history2 = model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0).history
+        return history["loss"] + history2["loss"], model.get_weights(), model.evaluate(x, y, batch_size=32, verbose=0)
+
+    copied = record_weight_copies(monkeypatch)
+    with_copies = run()
+    # The two kernels: for the first fit, again for the weights set by hand, and for the evaluation.
+    assert copied == [[(5, 16), (16, 1)]] * 3
+    monkeypatch.setattr(_rounded_weights, "reading_rounded_weights", WithoutWeightCopies)
+    without = run()
+    np.testing.assert_allclose(with_copies[0], without[0], rtol=1e-5)
+    for a, b in zip(with_copies[1], without[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(with_copies[2], without[2], rtol=1e-5)

@@ -9,32 +9,8 @@ from jax import lax
 
 from keras_tpu import _rounded_weights, mxu
 from keras_tpu.mxu._numerics import round_to_bfloat16
-from tests.tpu_helpers import classification_data, on_tpu, small_classifier
-
-
-class _WithoutCopies(_rounded_weights.ReadingRoundedWeights):
-    """As before copies: every product rounds the float32 weight it reads."""
-
-    def read_weights(self, state, *rest, axis_env=None):
-        return []
-
-    def __call__(self, state, rounded, *rest):
-        assert rounded == []
-        return self.fn(state, *rest)
-
-
-def _record_copies(monkeypatch):
-    """The shapes of the copies each round_weights call makes, as a list that fills as they are made."""
-    copied = []
-    original = _rounded_weights.round_weights
-
-    def recording(trainable, positions=None):
-        copies = original(trainable, positions)
-        copied.append([a.shape for a in copies])
-        return copies
-
-    monkeypatch.setattr(_rounded_weights, "round_weights", recording)
-    return copied
+from tests.tpu_helpers import (WithoutWeightCopies, classification_data, on_tpu, record_weight_copies,
+                                small_classifier)
 
 
 def _layer_and_head(state, x):
@@ -142,7 +118,7 @@ def test_evaluation_matches_the_same_model_without_copies(monkeypatch, precision
 
     with_copies = run()
     # As before: the float32 weights, rounded by each product.
-    monkeypatch.setattr(_rounded_weights, "reading_rounded_weights", _WithoutCopies)
+    monkeypatch.setattr(_rounded_weights, "reading_rounded_weights", WithoutWeightCopies)
     without = run()
     np.testing.assert_allclose(with_copies[0], without[0], rtol=1e-6)
     np.testing.assert_allclose(with_copies[1], without[1], rtol=1e-5, atol=1e-6)
@@ -186,7 +162,7 @@ def test_only_weights_a_product_reads_get_a_copy():
 
 
 def test_evaluating_an_embedding_model_copies_its_dense_kernels_not_its_table(monkeypatch):
-    copied = _record_copies(monkeypatch)
+    copied = record_weight_copies(monkeypatch)
     rng = np.random.default_rng(0)
     x, y = rng.integers(0, 1000, (64, 8)).astype(np.int32), rng.integers(0, 2, (64,))
     inputs = keras.Input((8,), dtype="int32")
@@ -216,7 +192,7 @@ def test_training_on_copies_returned_by_each_step_matches_rounding_in_every_prod
 
     with_copies = train()
 
-    monkeypatch.setattr(_rounded_weights, "reading_rounded_weights", _WithoutCopies)
+    monkeypatch.setattr(_rounded_weights, "reading_rounded_weights", WithoutWeightCopies)
     without = train()
     for a, b in zip(with_copies, without):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -224,9 +200,9 @@ def test_training_on_copies_returned_by_each_step_matches_rounding_in_every_prod
 
 def test_training_with_many_rows_per_product_rounds_in_each_product_and_keeps_no_copies(monkeypatch):
     """From TRAINING_COPIES_BELOW_ROWS rows the products outweigh a pass over the weights: no copies."""
-    from keras_tpu._replicated_steps import TRAINING_COPIES_BELOW_ROWS
+    from keras_tpu._rounded_weights import TRAINING_COPIES_BELOW_ROWS
 
-    copied = _record_copies(monkeypatch)
+    copied = record_weight_copies(monkeypatch)
     x, y = classification_data(2 * TRAINING_COPIES_BELOW_ROWS)
     tpu = on_tpu(small_classifier(), "default")
     tpu.fit(x, y, batch_size=TRAINING_COPIES_BELOW_ROWS, epochs=1, verbose=0)

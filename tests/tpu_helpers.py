@@ -6,6 +6,7 @@ import keras
 import numpy as np
 
 import keras_tpu
+from keras_tpu import _rounded_weights
 
 
 def small_classifier(seed=0, optimizer=None, **compile_kwargs):
@@ -47,3 +48,30 @@ def compiled_programs(caplog):
         if match:
             found.append((match.group(1), int(match.group(2)), int(match.group(4))))
     return found
+
+
+class WithoutWeightCopies(_rounded_weights.ReadingRoundedWeights):
+    """For monkeypatching ``_rounded_weights.reading_rounded_weights``: no copies, every product rounds the
+    float32 weight it reads (as before copies existed)."""
+
+    def read_weights(self, state, *rest, axis_env=None):
+        return []
+
+    def __call__(self, state, rounded, *rest):
+        assert rounded == []
+        return self.fn(state, *rest)
+
+
+def record_weight_copies(monkeypatch):
+    """The shapes of the copies each round_weights call makes, as a list that fills as they are made."""
+    copied = []
+    original = _rounded_weights.round_weights
+
+    def recording(trainable, positions=None):
+        copies = original(trainable, positions)
+        copied.append([a.shape for a in copies])
+        return copies
+
+    monkeypatch.setattr(_rounded_weights, "round_weights", recording)
+    return copied
+
