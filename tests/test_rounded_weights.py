@@ -210,3 +210,22 @@ def test_training_with_many_rows_per_product_rounds_in_each_product_and_keeps_no
     tpu = on_tpu(small_classifier(), "default")
     tpu.fit(x, y, batch_size=TRAINING_COPIES_BELOW_ROWS // 8, epochs=1, verbose=0)  # 32 rows: copies of both kernels
     assert copied[1:] == [[(6, 16), (16, 3)]]
+
+
+def test_weights_rounded_on_the_host_equal_those_rounded_by_xla(monkeypatch):
+    """Small sets of weights are rounded by NumPy (no program to compile): the same bits as XLA's rounding,
+    ties to even, infinities, NaN and float32 subnormals included."""
+    rng = np.random.default_rng(0)
+    bits = np.concatenate([rng.integers(0, 2**32, 4000, dtype=np.uint64).astype(np.uint32),
+                           np.array([0x3F808000, 0x3F818000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x00000001,
+                                     0x807FFFFF, 0x7F7FFFFF], np.uint32)])
+    weights = [jnp.asarray(bits[:4000].view(np.float32).reshape(40, 100)), jnp.asarray(bits[4000:].view(np.float32)
+                                                                                        .reshape(2, 4))]
+    on_host = _rounded_weights.round_weights(weights, [0, 1])
+    monkeypatch.setattr(_rounded_weights, "HOST_ROUNDING_MAX_ELEMENTS", 0)
+    by_xla = _rounded_weights.round_weights(weights, [0, 1])
+    for a, b in zip(on_host, by_xla):
+        assert a.dtype == b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))  # NaN where NaN
+        number = ~np.isnan(np.asarray(b, np.float32))
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16)[number], np.asarray(b).view(np.uint16)[number])
