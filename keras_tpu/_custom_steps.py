@@ -242,14 +242,9 @@ class _CustomProgram:
         """``(reads copies, the copies)`` for a step of ``cores`` cores on ``state`` and ``data``."""
         if not self._rounds_weights:
             return False, []
-        reading = self._reading(cores)
-        shapes = self.layout.device_shapes((state, data), (REPLICATED, REPLICATED))
-        read = reading.read_weights(*shapes)
-        copies = True
-        if self.mode == "train":
-            rows = reading.product_rows(*shapes)
-            copies = rows is not None and rows < _rounded_weights.TRAINING_COPIES_BELOW_ROWS
-        return copies, self._copies.for_weights(jax.tree.leaves(state[0]), read if copies else [])
+        copies, read = self._reading(cores).copies_to_make(
+            *self.layout.device_shapes((state, data), (REPLICATED, REPLICATED)), training=self.mode == "train")
+        return copies, self._copies.for_weights(jax.tree.leaves(state[0]), read)
 
     def _executable(self, cores, copies, state, rounded, data):
         jitted = self._program(cores, copies)
@@ -272,11 +267,11 @@ class _CustomProgram:
             self.custom.builder.note_compiled_shape(self.mode, describe_input_shapes(x, rows=0))
         return executable
 
-    def _state_on_cores(self, state):
-        """``state`` on the cores' device(s): as it is when it is what the last step returned."""
-        leaves = jax.tree.leaves(state)
-        if same_arrays(leaves, self._last_state):
+    def _state_on_cores(self, state, returned):
+        """``state`` on the cores' device(s): as it is when it is what the last step ``returned``."""
+        if returned:
             return state
+        leaves = jax.tree.leaves(state)
         device = self.layout.replicated_sharding()
         if all(isinstance(a, jax.Array) and a.sharding.is_equivalent_to(device, a.ndim) for a in leaves):
             return state
@@ -291,7 +286,7 @@ class _CustomProgram:
         # left it, and the batch goes to the compiled program as host arrays, which its C++ call places by its
         # own input shardings (a device_put first cost 0.4 ms per step; jnp.asarray 2 ms per array).
         returned = same_arrays(jax.tree.leaves(state), self._last_state)
-        state = self._state_on_cores(state)
+        state = self._state_on_cores(state, returned)
         batch = tuple((a.shape, a.dtype) for a in jax.tree.leaves(data))
         if returned and self._last_call is not None and self._last_call[:2] == (cores, batch):
             copies, rounded = self._last_call[2], self._copies.copies  # the state the last step returned

@@ -767,15 +767,10 @@ class _Program:
         compile reuses), not a table that is only looked up. A new evaluate() resets the metrics but passes back
         the weights: they are rounded once per set of weights.
         """
-        weights = jax.tree.leaves(args[0][0])
-        shapes, axis_env = self.layout.device_shapes(args, self._ARGUMENT_SPECS), self.layout.axis_env()
-        read = self._reading_copies.read_weights(*shapes, axis_env=axis_env)
-        if self.mode == "train":
-            rows = self._reading_copies.product_rows(*shapes, axis_env=axis_env)
-            self._reads_copies = rows is not None and rows < _rounded_weights.TRAINING_COPIES_BELOW_ROWS
-            if not self._reads_copies:
-                read = []
-        self._copies.for_weights(weights, read)
+        self._reads_copies, read = self._reading_copies.copies_to_make(
+            *self.layout.device_shapes(args, self._ARGUMENT_SPECS), training=self.mode == "train",
+            axis_env=self.layout.axis_env())
+        self._copies.for_weights(jax.tree.leaves(args[0][0]), read)
 
     def _call(self, state, iterator):
         batches = []

@@ -155,14 +155,18 @@ class ReadingRoundedWeights:
         """
         return self._trace(state, rest, axis_env)[2]
 
-    def product_rows(self, state, *rest, axis_env=None):
-        """The fewest rows (the other operand's free size) of a product that reads a copy, or ``None``.
+    def copies_to_make(self, state, *rest, training=False, axis_env=None):
+        """``(reads copies, positions)``: whether the program should read copies, and of which weights.
 
-        Rounding a weight costs a pass over it; its products cost that pass
-        times their rows: below a few hundred rows the rounding is a large
-        part of the work.
+        Inference always does; a training step only while its products that
+        read a weight have fewer than :data:`TRAINING_COPIES_BELOW_ROWS` rows
+        (the other operand's free size; else ``(False, [])``): rounding a weight
+        costs a pass over it, its products that pass times their rows.
         """
-        return self._trace(state, rest, axis_env)[3]
+        _, _, positions, rows = self._trace(state, rest, axis_env)
+        if training and (rows is None or rows >= TRAINING_COPIES_BELOW_ROWS):
+            return False, []
+        return True, positions
 
     def without_copies(self, state, *rest):
         """``fn(state, *rest)`` itself, from the same trace: its products read the float32 weights."""
