@@ -134,8 +134,14 @@ def test_a_dot_reading_a_rounded_weight_runs_native_where_that_was_measured_fast
     # A 10-class head does not gain, nor does a weight gradient's layout.
     assert choose((1, 128, 1600, 10), True) == "round_f32"
     assert kernels.choose_form("dot", "lhs_transposed", (1, 32, 784, 512), bf16_operand=True) != "bf16"
+    # A training step's input gradient multiplying the copy goes native at any shape (a head's too); on float32
+    # weights it keeps the table's form at few rows.
+    input_grad = lambda gemm, rounded: kernels.choose_form("dot", "rhs_transposed", gemm, bf16_operand=rounded)
+    assert [input_grad((1, 32, 512, 784), False), input_grad((1, 32, 512, 784), True)] == ["round_f32", "bf16"]
+    assert input_grad((1, 64, 10, 256), True) == "bf16"
     monkeypatch.setattr(kernels, "host_class", lambda: "no_bf16")
     assert choose((1, 32, 784, 512), True) == "round_f32"
+    assert input_grad((1, 32, 512, 784), True) == "round_f32"
 
 
 def test_only_weights_a_product_reads_get_a_copy():

@@ -402,8 +402,11 @@ def _measured_choice(kind, layout, gemm):
     return min(rows, key=distance)[3]
 
 
-#: A forward dot one of whose operands is a weight rounded once (see :func:`choose_form`).
-ROUNDED_WEIGHT_FORWARD = ShapeRule(BF16, min_k=64, min_n=64)
+#: Dots one of whose operands is a weight rounded once, per layout, on a ``"bf16"`` host (see :func:`choose_form`).
+ROUNDED_WEIGHT_RULES = {
+    ("dot", "forward"): ShapeRule(BF16, min_k=64, min_n=64),
+    ("dot", "rhs_transposed"): ShapeRule(BF16),
+}
 
 
 def choose_form(kind, layout, gemm, bf16_operand=False):
@@ -413,12 +416,19 @@ def choose_form(kind, layout, gemm, bf16_operand=False):
     ``bf16_operand``: an operand arrives in bfloat16 (a weight rounded once for a
     whole evaluation, :mod:`keras_tpu._rounded_weights`). On a ``"bf16"`` host a
     forward dot then runs native at any M once N and K reach 64
-    (:data:`ROUNDED_WEIGHT_FORWARD`): with the weight's conversion gone,
+    (:data:`ROUNDED_WEIGHT_RULES`): with the weight's conversion gone,
     32x784x512 took 131 us native against 285 us in ``round_f32`` (the weight
     converted back to float32 per call) and 162 us plain float32, 16x256x256
     21 / 41 / 33, 128x1024x1024 904 / 1640 / 1594. A 10-class head ties in
     isolation (128x1600x10: 123 / 137 / 78) but cost keras.io's MNIST convnet
     ~0.5 ms of its 4 ms evaluation step native, so it stays on the table's form.
+    An input gradient (rhs transposed) multiplying a weight's copy, as a
+    training step with few rows does (:mod:`keras_tpu._rounded_weights`), runs
+    native at every shape measured, us native / ``round_f32`` / plain float32,
+    ``dY[M, N] W[K, N]^T``: 32x512x512 58 / 129 / 83, 32x784x512 75 / 175 / 126,
+    128x1024x1024 358 / 779 / 701, 200x512x2048 608 / 1102 / 1045, a 10-class
+    head's 64x10x256 7 / 13 / 8, 8x64x128 8 / 14 / 9 (keras.io's 784-512-512-10
+    MLP at batch 32: 728 -> 655 us per train step, plain Keras 660; in-process A/B).
     """
     forms = DOT_FORMS if kind == "dot" else CONV_FORMS
     forced = forced_form()
@@ -428,8 +438,8 @@ def choose_form(kind, layout, gemm, bf16_operand=False):
     if measured in forms:
         return measured
     host = host_class()
-    if bf16_operand and host == "bf16" and (kind, layout) == ("dot", "forward"):
-        return ROUNDED_WEIGHT_FORWARD(gemm)
+    if bf16_operand and host == "bf16" and (kind, layout) in ROUNDED_WEIGHT_RULES:
+        return ROUNDED_WEIGHT_RULES[kind, layout](gemm)
     return builtin_choice(host, kind, layout, gemm)
 
 
