@@ -38,7 +38,7 @@ from keras import tree
 from keras_tpu import _keras_private, _pod as pod, _rewrite as rewrite, _rounded_weights
 from keras_tpu._logging import logger
 from keras_tpu._batching import describe_input_shapes
-from keras_tpu._cores import CORE_AXIS, REPLICATED, same_arrays
+from keras_tpu._cores import CORE_AXIS, REPLICATED, ProgramsInFlight, same_arrays
 from keras_tpu.mxu import _kernels as kernels
 from keras_tpu.mxu._numerics import Precision
 
@@ -213,6 +213,7 @@ class _CustomProgram:
         self._readings = {}  # cores -> the device step reading copies (a ReadingRoundedWeights)
         self._copies = _rounded_weights.WeightCopies()
         self._last_call = None  # (cores, the batch's shapes, whether the program reads copies) of the last step
+        self._in_flight = ProgramsInFlight(self.layout.max_programs_in_flight)
 
     def _reading(self, cores):
         if cores not in self._readings:
@@ -295,6 +296,7 @@ class _CustomProgram:
         self._last_call = cores, batch, copies
         result = self._executable(cores, copies, state, rounded, data)(state, rounded, data)
         output, state = result[:2]
+        self._in_flight.add(output)  # the state is donated to the next step
         if self._rounds_weights:
             self._copies.returned(jax.tree.leaves(state[0]), result[2] if len(result) == 3 else None)
         self._last_state = jax.tree.leaves(state)

@@ -60,7 +60,7 @@ from keras import tree
 from keras_tpu import _keras_private, _hbm as hbm, _pod as pod, _rewrite as rewrite, _rounded_weights
 from keras_tpu._logging import logger
 from keras_tpu._batching import BatchStacker, describe_input_shapes, unstack_outputs
-from keras_tpu._cores import REPLICATED, ROWS, CoreLayout, same_arrays
+from keras_tpu._cores import REPLICATED, ROWS, CoreLayout, ProgramsInFlight, same_arrays
 from keras_tpu._custom_steps import CustomSteps, custom_step_methods
 from keras_tpu.mxu import _kernels as kernels
 from keras_tpu.mxu._numerics import Precision, canonical_precision
@@ -675,7 +675,7 @@ class _Program:
         self._reads_copies = self.rounds_weights  # whether the program of the last call reads copies
         self._last_state = []  # the leaves of the state the last call returned
         self._last_call = None  # (the batch's shapes and dtypes, the executable) of the last call
-        self._in_flight = collections.deque()
+        self._in_flight = ProgramsInFlight(self.layout.max_programs_in_flight)
         builder.last_programs[mode] = self
 
     def _program(self, copies):
@@ -749,16 +749,6 @@ class _Program:
             self.builder.note_compiled_shape(self.mode, describe_input_shapes(shapes, rows=0))
         return executable
 
-    def _bound_in_flight(self, result):
-        limit = self.layout.max_programs_in_flight
-        if limit is None:
-            return
-        # Logs or outputs only: the state in result[1] is donated to the next call, and all outputs of a
-        # program are ready together.
-        self._in_flight.append(result[0])
-        while len(self._in_flight) > limit:
-            jax.block_until_ready(self._in_flight.popleft())
-
     def _round_weights(self, args):
         """Make the bfloat16 copies the program reads of the weights in ``args`` (see keras_tpu._rounded_weights),
         unless the copies at hand are of these weights already.
@@ -806,7 +796,7 @@ class _Program:
         if not pod.is_multi_worker():
             result = self._kept_copies(executable(*args))
             self._last_state = jax.tree.leaves(result[1])
-            self._bound_in_flight(result)
+            self._in_flight.add(result[0])  # logs or outputs: the state is donated to the next call
             return result, stacked
         try:
             return self._kept_copies(jax.block_until_ready(executable(*args))), stacked
