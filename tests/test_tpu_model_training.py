@@ -132,6 +132,71 @@ def test_evaluation_of_all_rows_at_once_is_exact_for_losses_averaged_or_summed(r
             assert got[key] == pytest.approx(want[key], rel=2e-6), (batch_size, key)
 
 
+@pytest.mark.parametrize("merged", [True, False])
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum"])
+def test_training_all_rows_at_once_or_core_by_core_matches_the_cpu(monkeypatch, merged, reduction):
+    # A model whose rows are independent in training runs a device's rows as one batch; core by core (as models
+    # with BatchNormalization or dropout run) it must give the same: partial batches and sample weights included.
+    from keras_tpu._replicated_steps import ReplicatedSteps
+
+    decide = ReplicatedSteps._cores_merged
+    chosen = []
+
+    def forced(self, mode, *args):
+        if mode != "train" or self.layout.cores_per_device == 1:  # (one core's step, traced for its HBM use)
+            return decide(self, mode, *args)
+        chosen.append(decide(self, mode, *args))
+        return merged
+
+    monkeypatch.setattr(ReplicatedSteps, "_cores_merged", forced)
+    x, y = classification_data(200)
+    weights = np.linspace(0.5, 2, 200).astype("float32")
+    loss = keras.losses.SparseCategoricalCrossentropy(reduction=reduction)
+    cpu, reference = small_classifier(), small_classifier()
+    for model in (cpu, reference):
+        model.compile(keras.optimizers.Adam(0.01), loss, weighted_metrics=["sparse_categorical_accuracy"])
+    tpu = on_tpu(cpu, "highest")
+    got = tpu.fit(x, y, sample_weight=weights, batch_size=64, epochs=2, shuffle=False, verbose=0).history
+    want = reference.fit(x, y, sample_weight=weights, batch_size=64, epochs=2, shuffle=False, verbose=0).history
+    assert chosen and all(chosen)   # left alone, this model trains all rows at once
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=2e-6)
+    assert_weights_close(tpu.get_weights(), reference.get_weights(), atol=1e-6)
+
+
+def test_training_runs_all_rows_at_once_only_for_models_whose_rows_are_independent_in_training():
+    from keras_tpu._cores import CoreLayout
+    from keras_tpu._replicated_steps import ReplicatedSteps, rows_independent_in_training
+
+    layers = keras.layers
+    tokens = keras.Input((6,), dtype="int32")
+    x = layers.Embedding(20, 8)(tokens)
+    x = layers.LayerNormalization()(layers.Add()([x, layers.MultiHeadAttention(2, 4)(x, x)]))
+    transformer = keras.Model(tokens, layers.Dense(2)(layers.LSTM(4)(x)))
+    assert rows_independent_in_training(transformer)
+    dense = lambda *middle: keras.Sequential([keras.Input((6,)), *middle, layers.Dense(2)])
+    for model in (dense(layers.BatchNormalization()), dense(layers.Dropout(0.1)), dense(layers.GaussianNoise(0.1)),
+                  dense(layers.Dense(4, activity_regularizer="l2")), dense(layers.ActivityRegularization(0.1)),
+                  keras.Sequential([keras.Input((5, 2)), layers.LSTM(3, dropout=0.2)]),
+                  keras.Model(tokens, layers.MultiHeadAttention(2, 4, dropout=0.1)(x, x))):
+        assert not rows_independent_in_training(model), model.layers
+
+    def merged(model, loss="mse", core_rows=64):
+        model.compile("sgd", loss)
+        steps = ReplicatedSteps(model, CoreLayout(8))
+        shape, dtype = model.inputs[0].shape, model.inputs[0].dtype
+        return steps._cores_merged("train", [v.value for v in model.trainable_variables],
+                                   [v.value for v in model.non_trainable_variables],
+                                   np.zeros((8 * core_rows,) + tuple(shape[1:]), dtype))
+
+    assert merged(dense(layers.Dense(4))) and not merged(dense(layers.Dropout(0.1)))
+    assert not merged(dense(layers.Dense(4)), keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"))
+    # Convolutions' gradients run faster at a core's batch: with 64 rows per core they stay core by core.
+    convnet = lambda: keras.Sequential([keras.Input((8, 8, 3)), layers.Conv2D(4, 3), layers.Flatten(),
+                                        layers.Dense(2)])
+    assert not merged(convnet()) and merged(convnet(), core_rows=4)
+
+
 def test_inference_runs_all_rows_at_once_only_for_models_whose_rows_do_not_interact():
     from keras_tpu._cores import CoreLayout
     from keras_tpu._replicated_steps import ReplicatedSteps, rows_independent_at_inference
