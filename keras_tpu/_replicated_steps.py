@@ -542,7 +542,11 @@ class ReplicatedSteps:
         attention gain from one large batch). (A ``lax.map`` over the cores,
         one compiled loop body, compiles the CIFAR step in 4.6 s but runs it
         more than 8x slower: XLA:CPU's convolutions inside a loop body lose
-        their fast path.)
+        their fast path.) Measured again for the CIFAR CNN (fresh processes,
+        first fit less a step / best step): 8 groups 4.4-4.6 s / 0.83-0.84 s,
+        4 groups 3.7 s / 0.87-0.89 s, 2 groups 3.7-3.8 s / 0.92-0.94 s; one
+        epoch of CIFAR-10 (49 steps of 1024) wins back the 8 groups' 0.75 s
+        of compile, so the bound stays at 32 copies.
 
         The gain needs large per-core batches: with fewer than
         :attr:`UNROLLED_FROM_CORE_ROWS` rows per core the cores are vectorised.
