@@ -413,8 +413,9 @@ def choose_form(kind, layout, gemm, bf16_operand=False):
     """The form for one op: forced, else from a measured table, else the built-in table, else ``round_f32``.
 
     ``kind`` is ``"dot"`` or ``"conv"``; ``gemm`` is ``(batch or groups, M, K, N)``.
-    ``bf16_operand``: an operand arrives in bfloat16 (a weight rounded once for a
-    whole evaluation, :mod:`keras_tpu._rounded_weights`). On a ``"bf16"`` host a
+    ``bf16_operand``: an operand arrives in bfloat16 (a weight's copy, rounded once
+    for a whole evaluation or returned by the training step before,
+    :mod:`keras_tpu._rounded_weights`). On a ``"bf16"`` host a
     forward dot then runs native at any M once N and K reach 64
     (:data:`ROUNDED_WEIGHT_RULES`): with the weight's conversion gone,
     32x784x512 took 131 us native against 285 us in ``round_f32`` (the weight
