@@ -208,7 +208,7 @@ class CoreLayout:
         """Inverse of :meth:`split_cores`: per-core rows back to this device's rows, in core order."""
         return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), tree)
 
-    def map_cores(self, fn, in_axes, unrolled=False):
+    def map_cores(self, fn, in_axes, looped=False):
         """Map ``fn`` over this device's cores, like ``jax.vmap`` over a core axis.
 
         Arguments with ``in_axes`` 0 carry a leading core axis; ``None``
@@ -216,31 +216,59 @@ class CoreLayout:
         and autodiff sums their gradients over the cores in one contraction).
         Outputs get a leading core axis.
 
-        ``unrolled`` runs the cores in groups one after another in one program
-        instead of as one vectorised batch: ``True`` one core per group (each
-        layer then runs at the core's own batch size, which some XLA:CPU
-        kernels, e.g. convolutions, run faster), an integer that many groups,
-        each vectorised over its cores (fewer copies of the program to
-        compile). The results are the same. Inside ``fn``, :meth:`core_index`
-        and the cross-core collectives work only when not unrolled.
+        ``looped`` runs the cores one after another in a loop (``lax.map``)
+        instead of as one vectorised batch: each layer then runs at the core's
+        own batch size, which some XLA:CPU kernels (convolutions) run faster,
+        from one compiled copy of ``fn``. The results are the same. Inside
+        ``fn``, :meth:`core_index` and the cross-core collectives work only
+        when vectorised. To differentiate a loop over the cores, see
+        :meth:`value_and_grad_over_cores`.
+
+        Example:
+            >>> layout = CoreLayout.abstract(8)
+            >>> square = layout.map_cores(lambda w, x: w * x ** 2, in_axes=(None, 0), looped=True)
+            >>> square(2.0, jnp.arange(8.0)).tolist()[:3]
+            [0.0, 2.0, 8.0]
         """
-        groups = self.cores_per_device if unrolled is True else int(unrolled or 1)
-        if groups <= 1:
+        if not looped or self.cores_per_device == 1:
             return jax.vmap(fn, in_axes=in_axes, axis_name=CORE_AXIS)
-        if self.cores_per_device % groups:
-            raise ValueError(f"{self.cores_per_device} cores cannot run in {groups} equal groups.")
-        size = self.cores_per_device // groups
-        group_fn = (lambda *args: jax.tree.map(lambda a: a[None], fn(*args))) if size == 1 else \
-            jax.vmap(fn, in_axes=in_axes, axis_name=CORE_AXIS)
 
-        def each_group(*args):
+        def each_core(*args):
             axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
-            take = lambda g: lambda x: x[g] if size == 1 else x[g * size:(g + 1) * size]
-            outputs = [group_fn(*(a if axis is None else jax.tree.map(take(g), a) for a, axis in zip(args, axes)))
-                       for g in range(groups)]
-            return jax.tree.map(lambda *parts: jnp.concatenate(parts), *outputs)
+            mapped = [None if axis is None else a for a, axis in zip(args, axes)]
+            return lax.map(lambda core: fn(*(a if axis is None else c for a, c, axis in zip(args, core, axes))),
+                           mapped)
 
-        return each_group
+        return each_core
+
+    def value_and_grad_over_cores(self, fn, params, *per_core, has_aux=False):
+        """``jax.value_and_grad`` of ``sum over cores of fn(params, *core's args)``, the cores run in a loop.
+
+        ``per_core`` arguments carry a leading core axis (this device's cores).
+        Returns ``(values, grads)``: ``fn``'s outputs (the value, or
+        ``(value, aux)`` with ``has_aux``) stacked over the cores, and the
+        gradient with respect to ``params`` summed over them. Each core's
+        forward and backward pass run in one loop iteration at the core's own
+        batch size, from one compiled copy of the program: unlike
+        differentiating :meth:`map_cores` with ``looped``, the loop keeps no
+        per-core activations for a backward loop (which XLA would allocate and
+        zero for all cores), only the running sum of the gradients.
+
+        Example:
+            >>> layout = CoreLayout.abstract(8)
+            >>> values, grads = layout.value_and_grad_over_cores(lambda w, x: w * x ** 2, 2.0, jnp.arange(8.0))
+            >>> float(grads) == float(jnp.sum(jnp.arange(8.0) ** 2))
+            True
+        """
+        value_and_grad = jax.value_and_grad(fn, has_aux=has_aux)
+
+        def core(summed, args):
+            values, grads = value_and_grad(params, *args)
+            return jax.tree.map(jnp.add, summed, grads), values
+
+        summed = jax.tree.map(jnp.zeros_like, params)
+        summed, values = lax.scan(core, summed, per_core)
+        return values, summed
 
     def device_sum(self, tree):
         """Sum over the devices of the layout (nothing to do on one device)."""

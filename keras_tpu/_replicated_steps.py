@@ -46,9 +46,7 @@ steps runs instead (compiled once per count): inactive steps cost nothing.
 
 import collections
 import concurrent.futures
-import dataclasses
 import itertools
-import math
 import time
 
 import jax
@@ -85,41 +83,6 @@ def program_rule(precision, on_mxu=True):
     """The rewrite rule of TPU programs: matrix products on the MXU (unless ``on_mxu`` is False) and the
     vector unit's fast lowerings (:mod:`keras_tpu._vector_unit`)."""
     return rewrite.compose(mxu_rule(precision), vector_unit_rule()) if on_mxu else vector_unit_rule()
-
-
-@dataclasses.dataclass(frozen=True)
-class ForwardConvolution:
-    """One convolution of a model's forward pass, as far as compiling a program with it is concerned.
-
-    Example:
-        >>> eqn = jax.make_jaxpr(lambda x, k: lax.conv_general_dilated(
-        ...     x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=32))(
-        ...     jnp.ones((128, 16, 16, 32)), jnp.ones((3, 3, 1, 32))).eqns[0]
-        >>> depthwise = ForwardConvolution.of(eqn)
-        >>> depthwise.feature_group_count, depthwise.copies(on_mxu=True), depthwise.copies(on_mxu=False)
-        (32, 9, 1)
-    """
-
-    feature_group_count: int
-    kernel_taps: int
-    mxu_form: str  # how its forward pass runs on the MXU (:func:`keras_tpu.mxu._kernels.choose_form`)
-
-    @classmethod
-    def of(cls, eqn):
-        """The convolution of a ``conv_general_dilated`` jaxpr equation."""
-        lhs, rhs = (v.aval for v in eqn.invars[:2])
-        out = eqn.outvars[0].aval
-        params = eqn.params
-        dimension_numbers = params["dimension_numbers"]
-        gemm = kernels.conv_gemm(lhs.shape, rhs.shape, out.shape, dimension_numbers,
-                                 params["feature_group_count"], params["batch_group_count"])
-        return cls(params["feature_group_count"], math.prod(rhs.shape[i] for i in dimension_numbers.rhs_spec[2:]),
-                   kernels.choose_form("conv", kernels.conv_layout(dimension_numbers), gemm))
-
-    def copies(self, on_mxu):
-        """How many products the compiled program holds for it per unrolled group: its kernel taps when run
-        tap by tap (a depthwise convolution on the MXU, forward and input gradient), else one."""
-        return self.kernel_taps if on_mxu and self.mxu_form == kernels.TAPS else 1
 
 
 #: Keras layers whose output for a row depends on that row alone at inference (``training=False``), whatever the
@@ -256,14 +219,14 @@ class ReplicatedSteps:
         >>> model.train_function = steps.train_function(steps_per_execution=1)   # doctest: +SKIP
     """
 
-    def __init__(self, model, layout, precision="default", on_mxu=True, unrolled_cores=None, accelerator_type=None,
+    def __init__(self, model, layout, precision="default", on_mxu=True, looped_cores=None, accelerator_type=None,
                  user_model=None):
         # The model's own steps run as written (custom_steps); so do Keras' steps around a model's own
         # compute_loss/compute_metrics, which cannot know the padding rows of a partial batch.
         self.custom = custom_step_methods(model)
         if _keras_private.overridden_methods(model, ("compute_loss", "compute_metrics")):
             self.custom = sorted(set(self.custom) | {"train_step", "test_step"})
-        self.unrolled_cores = unrolled_cores  # None: decided per model and batch (see _cores_unrolled)
+        self.looped_cores = looped_cores  # None: decided per model (see _cores_looped)
         self.user_model = user_model or model
         self._rows_independent = None  # decided on the first inference program (see _cores_merged)
         self._rows_independent_in_training = None  # decided on the first training program (see _cores_merged)
@@ -389,7 +352,7 @@ class ReplicatedSteps:
         if self.accelerator_type is None:
             return None
         one_core = ReplicatedSteps(self.model, CoreLayout.abstract(1), self.precision, on_mxu=False,
-                                   unrolled_cores=False)
+                                   looped_cores=False)
         # A core's rows are the same here: share the forward pass already traced for them (ResNet-20: 0.2 s less).
         one_core._core_forwards = self._core_forwards
         device_fn = {"train": one_core._device_train, "test": one_core._device_test,
@@ -436,9 +399,8 @@ class ReplicatedSteps:
         def predict(x):  # one step: every core predicts its rows
             if self._cores_merged("predict", trainable, non_trainable, x):
                 return core_predict(x)
-            unrolled = self._cores_unrolled(trainable, non_trainable, x)
-            return layout.merge_cores(layout.map_cores(core_predict, in_axes=0, unrolled=unrolled)(
-                layout.split_cores(x)))
+            looped = self._cores_looped(trainable, non_trainable, x)
+            return layout.merge_cores(layout.map_cores(core_predict, in_axes=0, looped=looped)(layout.split_cores(x)))
 
         x_steps = tree.map_structure(lambda a: jnp.moveaxis(a, 1, 0),
                                      keras.utils.unpack_x_y_sample_weight(data)[0], none_is_leaf=False)
@@ -453,30 +415,31 @@ class ReplicatedSteps:
         At inference a model whose rows do not interact
         (:func:`rows_independent_at_inference`) computes the same on the cores'
         rows together as core by core, and XLA:CPU mostly runs it faster so:
-        the README's CIFAR-10 CNN evaluates 1024 images in 158 ms so against
-        203 ms with the cores unrolled and 760 ms vectorised over the core axis
-        (whose 5-D activations YNNPACK runs slowly), plain Keras 148 ms; the
-        embedding model 4.6 ms against 6 (plain 4.3). Depthwise convolutions
-        (summed tap by tap, see :mod:`keras_tpu.mxu._kernels`) run faster at a
-        core's batch: MobileNet evaluates 512 images in 211 ms unrolled, 325 ms
-        merged. A test or training program also needs losses averaged over rows
-        or summed (the mean of per-core weighted means, ``mean_with_sample_weight``,
+        the README's CIFAR-10 CNN evaluates 1024 images in 128 ms so (plain
+        Keras 148 ms) against 760 ms vectorised over the core axis (whose 5-D
+        activations YNNPACK runs slowly); the embedding model 4.6 ms against 6
+        (plain 4.3). Depthwise convolutions (summed tap by tap, see
+        :mod:`keras_tpu.mxu._kernels`) run faster at a core's batch: MobileNet
+        evaluates 512 images in 196 ms core by core in a loop, 325 ms merged.
+        A test or training program also needs losses averaged over rows or
+        summed (the mean of per-core weighted means, ``mean_with_sample_weight``,
         differs). A training step merges its cores' rows only where they are
         independent in training too (:func:`rows_independent_in_training`: no
-        BatchNormalization, no dropout) and its cores would run vectorised
-        anyway (see :meth:`_cores_unrolled`); it then skips the core axis XLA
-        would compile and run through every op: the zoo's Transformer trains
-        at 256 ms per step against 267 (in-process A/B) and its first fit() is
-        ready 0.2-0.3 s sooner (1.75-1.88 s less a step, against 2.02-2.07;
-        plain Keras 1.40), the char LSTM's 0.1 s (1.18-1.22 against 1.28-1.30);
-        the MLP and the embedding model train as fast either way.
+        BatchNormalization, no dropout) and it has no convolutions, whose
+        gradients run faster core by core (see :meth:`_cores_looped`); it then
+        skips the core axis XLA would compile and run through every op: the
+        zoo's Transformer trains at 256 ms per step against 267 (in-process
+        A/B) and its first fit() is ready 0.2-0.3 s sooner (1.75-1.88 s less a
+        step, against 2.02-2.07; plain Keras 1.40), the char LSTM's 0.1 s
+        (1.18-1.22 against 1.28-1.30); the MLP and the embedding model train as
+        fast either way.
         """
         if self.layout.cores_per_device == 1:
             return False
         if self._rows_independent is None:
             # A wrapper's own call (keras_to_tpu_model's) only runs the model it wraps.
             self._rows_independent = rows_independent_at_inference(self.user_model) and not any(
-                conv.feature_group_count > 1 for conv in self._forward_convolutions(trainable, non_trainable, x))
+                groups > 1 for groups in self._convolution_groups(trainable, non_trainable, x))
         if mode == "predict" or not self._rows_independent:
             return self._rows_independent
         reductions = set(_keras_private.loss_reductions(self.model))
@@ -485,13 +448,13 @@ class ReplicatedSteps:
         if mode == "train":
             if self._rows_independent_in_training is None:
                 self._rows_independent_in_training = rows_independent_in_training(self.user_model)
-            # Convolutions' gradients run faster at a core's batch (see _cores_unrolled): those stay unrolled.
-            return self._rows_independent_in_training and self._cores_unrolled(trainable, non_trainable, x) == 1
+            # Convolutions' gradients run faster at a core's batch (see _cores_looped): those stay core by core.
+            return self._rows_independent_in_training and not self._cores_looped(trainable, non_trainable, x)
         return True
 
     def _core_forward(self, trainable, non_trainable, x):
-        """What one core's forward pass on its rows of ``x`` produces and runs: ``(output shapes, convolutions)``,
-        the convolutions as :class:`ForwardConvolution`.
+        """What one core's forward pass on its rows of ``x`` produces and runs: ``(output shapes, convolution
+        groups)``, the ``feature_group_count`` of each of its convolutions.
 
         Traced abstractly once per input shape (nothing runs) and shared by
         the train and test programs: each trace of a large model costs a
@@ -504,68 +467,43 @@ class ReplicatedSteps:
             forward, output_shapes = jax.make_jaxpr(
                 lambda: self.model.stateless_call(trainable, non_trainable, core_rows, **kwargs)[0],
                 return_shape=True)()
-            convolutions = [ForwardConvolution.of(found.eqn) for found in
-                            rewrite.walk(forward, lambda e: e.primitive is lax.conv_general_dilated_p)]
-            self._core_forwards[key] = output_shapes, convolutions  # shapes only: no tracer outlives its trace
+            groups = tuple(found.eqn.params["feature_group_count"] for found in
+                           rewrite.walk(forward, lambda e: e.primitive is lax.conv_general_dilated_p))
+            self._core_forwards[key] = output_shapes, groups  # shapes only: no tracer outlives its trace
         return self._core_forwards[key]
 
-    def _forward_convolutions(self, trainable, non_trainable, x):
-        """The convolutions of the forward pass on one core's rows, as :class:`ForwardConvolution`."""
+    def _convolution_groups(self, trainable, non_trainable, x):
+        """The ``feature_group_count`` of each convolution of the forward pass on one core's rows."""
         return self._core_forward(trainable, non_trainable, x)[1]
 
-    #: Convolution copies x groups of cores unrolled above which a program runs fewer, larger groups
-    #: (see _cores_unrolled).
-    UNROLLED_CONVOLUTIONS = 32
-    #: Rows per core below which a training step vectorises its cores whatever its convolutions
-    #: (see _cores_unrolled).
-    UNROLLED_FROM_CORE_ROWS = 64
+    def _cores_looped(self, trainable, non_trainable, x):
+        """Whether the device's cores run one after another in a loop (see ``CoreLayout.map_cores``), not
+        vectorised over a core axis: for a model with convolutions.
 
-    def _cores_unrolled(self, trainable, non_trainable, x):
-        """How many groups of cores the training step runs one after another (see ``CoreLayout.map_cores``).
-
-        Measured here (train step / compile time, benchmarks/zoo.py's models):
-        XLA:CPU's backward convolutions run faster at a core's batch than on
-        all rows at once, but every unrolled group is another copy of the
-        program to compile. The README's CIFAR-10 CNN (4 convolutions, batch
-        1024): 8 groups (one core each) 1.08 s / 5.7 s, 2 groups 1.25 s / 4.0 s,
-        vectorised over the cores 1.39 s / 3.6 s; the ResNet-20 (21
-        convolutions, batch 512): 1.21 s / 12.6 s, 4 groups 1.23 / 7.4, 2 groups
-        1.28 / 6.1, vectorised 1.34 / 4.2; MobileNet (7 convolutions and 6
-        depthwise ones): 1.82 / 11.7, 2 groups 1.96 / 7.6, vectorised 2.08 / 5.0
-        (plain Keras: 3.9 s / 2.5 s, 2.3 s / 3 s and 9 s / 3.7 s). A depthwise
-        convolution run tap by tap (:mod:`keras_tpu.mxu._kernels`) is one
-        product per kernel tap, forward and backward, so it counts as its
-        taps (:attr:`ForwardConvolution.copies`). A model with convolutions
-        runs as many groups as keep groups x convolution copies within
-        :attr:`UNROLLED_CONVOLUTIONS` (CIFAR: 8, ResNet and MobileNet: 1);
-        other models vectorise their cores (dense products, recurrences and
-        attention gain from one large batch). (A ``lax.map`` over the cores,
-        one compiled loop body, compiles the CIFAR step in 4.6 s but runs it
-        more than 8x slower: XLA:CPU's convolutions inside a loop body lose
-        their fast path.) Measured again for the CIFAR CNN (fresh processes,
-        first fit less a step / best step): 8 groups 4.4-4.6 s / 0.83-0.84 s,
-        4 groups 3.7 s / 0.87-0.89 s, 2 groups 3.7-3.8 s / 0.92-0.94 s; one
-        epoch of CIFAR-10 (49 steps of 1024) wins back the 8 groups' 0.75 s
-        of compile, so the bound stays at 32 copies.
-
-        The gain needs large per-core batches: with fewer than
-        :attr:`UNROLLED_FROM_CORE_ROWS` rows per core the cores are vectorised.
-        Median of 3-4 runs each, 8 groups against vectorised, first fit / train
-        step: the CIFAR CNN at batch 1024 (128 rows per core) 7.6 / 5.7 s and
-        1.46 / 1.55 s, at batch 512 6.8 / 5.1 s and 0.71 / 0.80 s, at batch 256
-        6.5 / 4.6 s and 0.37 / 0.38 s; keras.io's MNIST convnet at batch 128
-        3.1 / 2.0 s and 44 / 43 ms (batch 512: 3.2 / 2.1 s, 169 / 164 ms); its
-        text classifier (two Conv1D, batch 32) 2.5 / 1.75 s and 60 / 57 ms.
+        XLA:CPU runs a convolution's gradients faster at a core's batch than
+        on all rows at once (as one batch, or vectorised over the cores, a
+        batch-grouped convolution), and a loop compiles one copy of the
+        core's step. Measured here (fresh processes; train step / evaluation
+        step / first fit and evaluate less a step, benchmarks/zoo.py and
+        benchmarks/users_code.py models), looped against what ran before:
+        the README's CIFAR-10 CNN (batch 1024) 771 ms / 128 ms / 2.9 s against
+        848-872 / 138 / 5.4 with its 8 cores unrolled in the program
+        (vectorised: 1.39 s per step); ResNet-20 (batch 512) 711 / 275 / 4.7
+        against 1022 / 270 / 4.6 vectorised (unrolled in 8: 1.21 s per step,
+        12.6 s compile); MobileNet (batch 512) 965 / 196 / 5.7 against 1473 /
+        341 / 6.0 vectorised; keras.io's MNIST convnet (batch 128, 16 rows per
+        core) 4.0x plain Keras' training speed against 1.85x, and its Conv1D
+        text classifier (batch 32, 4 rows per core) 1.31x against 1.06x. A
+        training step differentiates each core's step inside the loop
+        (``CoreLayout.value_and_grad_over_cores``): differentiating the loop
+        instead kept every core's activations for a second, backward loop,
+        which XLA allocated and zeroed each step (the CIFAR CNN: 1.06-1.15 s
+        per step). Models without convolutions vectorise their cores (dense
+        products, recurrences and attention gain from one large batch).
         """
-        if self.unrolled_cores is not None:
-            return self.unrolled_cores
-        core_rows = jax.tree.leaves(self.layout.split_cores(x))[0].shape[1]
-        copies = sum(conv.copies(self.on_mxu) for conv in self._forward_convolutions(trainable, non_trainable, x))
-        if not copies or core_rows < self.UNROLLED_FROM_CORE_ROWS:
-            return 1
-        cores = self.layout.cores_per_device
-        return max([g for g in range(1, cores + 1) if cores % g == 0 and g * copies <= self.UNROLLED_CONVOLUTIONS]
-                   or [1])
+        if self.looped_cores is not None:
+            return self.looped_cores
+        return bool(self._convolution_groups(trainable, non_trainable, x))
 
     def _output_shapes(self, trainable, non_trainable, x):
         """The shapes of the model's outputs for one core's rows of ``x`` (traced abstractly, no compute)."""
@@ -662,13 +600,21 @@ class ReplicatedSteps:
             return loss, (unscaled, y_pred, self._offset_seeds(new_non_trainable, core_id, -1))
 
         def mean_core_loss(trainable):
-            losses, aux = layout.map_cores(core_loss, in_axes=(None, 0, 0, 0, 0),
-                                           unrolled=self._cores_unrolled(trainable, non_trainable, x))(
+            losses, aux = layout.map_cores(core_loss, in_axes=(None, 0, 0, 0, 0))(
                 trainable, by_core(x), by_core(y), by_core(loss_weight), layout.local_core_ids())
             return jnp.sum(losses) / units, aux
 
-        (_, (unscaled, y_pred, new_non_trainable)), grads = jax.value_and_grad(
-            device_loss if merged else mean_core_loss, has_aux=True)(trainable)
+        if merged:
+            (_, (unscaled, y_pred, new_non_trainable)), grads = jax.value_and_grad(device_loss, has_aux=True)(
+                trainable)
+        elif self._cores_looped(trainable, non_trainable, x):  # each core's forward and backward pass in turn
+            (_, (unscaled, y_pred, new_non_trainable)), grads = layout.value_and_grad_over_cores(
+                core_loss, trainable, by_core(x), by_core(y), by_core(loss_weight), layout.local_core_ids(),
+                has_aux=True)
+            grads = jax.tree.map(lambda g: g / units, grads)
+        else:
+            (_, (unscaled, y_pred, new_non_trainable)), grads = jax.value_and_grad(mean_core_loss, has_aux=True)(
+                trainable)
         grads = layout.device_sum(grads)  # the all-reduce across devices (a pod's workers)
         trainable, optimizer_values = model.optimizer.stateless_apply(optimizer_values, grads, trainable)
         if not merged:
@@ -699,7 +645,7 @@ class ReplicatedSteps:
             unscaled, y_pred = core_loss(x, y, loss_weight)
         else:
             by_core = layout.split_cores
-            unscaled, y_pred = layout.map_cores(core_loss, in_axes=0, unrolled=self._cores_unrolled(
+            unscaled, y_pred = layout.map_cores(core_loss, in_axes=0, looped=self._cores_looped(
                 trainable, non_trainable, x))(by_core(x), by_core(y), by_core(loss_weight))
             y_pred = layout.merge_cores(y_pred)
         mean_loss = layout.device_sum(jnp.sum(unscaled)) / units

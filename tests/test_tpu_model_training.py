@@ -191,10 +191,10 @@ def test_training_runs_all_rows_at_once_only_for_models_whose_rows_are_independe
 
     assert merged(dense(layers.Dense(4))) and not merged(dense(layers.Dropout(0.1)))
     assert not merged(dense(layers.Dense(4)), keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"))
-    # Convolutions' gradients run faster at a core's batch: with 64 rows per core they stay core by core.
+    # Convolutions' gradients run faster at a core's batch: at 4 rows per core as at 64 they stay core by core.
     convnet = lambda: keras.Sequential([keras.Input((8, 8, 3)), layers.Conv2D(4, 3), layers.Flatten(),
                                         layers.Dense(2)])
-    assert not merged(convnet()) and merged(convnet(), core_rows=4)
+    assert not merged(convnet()) and not merged(convnet(), core_rows=4)
 
 
 def test_inference_runs_all_rows_at_once_only_for_models_whose_rows_do_not_interact():
@@ -253,46 +253,41 @@ def test_inference_runs_all_rows_at_once_only_for_models_whose_rows_do_not_inter
     assert merged(depthwise, "mse") == (False, False)
 
 
-def test_training_unrolls_fewer_groups_of_cores_the_more_convolutions_a_model_has():
+def test_a_model_with_convolutions_runs_its_cores_in_a_loop():
     from keras_tpu._cores import CoreLayout
     from keras_tpu._placement import installed_on
     from keras_tpu._replicated_steps import ReplicatedSteps
 
-    def groups(convolutions, depthwise=0, on_mxu=True, core_rows=64):
-        model = keras.Sequential([keras.Input((8, 8, 8))]
-                                 + [keras.layers.Conv2D(8, 3, padding="same") for _ in range(convolutions)]
-                                 + [keras.layers.DepthwiseConv2D(3, padding="same") for _ in range(depthwise)]
-                                 + [keras.layers.Flatten(), keras.layers.Dense(1)])
+    def looped(*hidden):
+        model = keras.Sequential([keras.Input((8, 8, 8)), *hidden, keras.layers.Flatten(), keras.layers.Dense(1)])
         model.compile("sgd", "mse")
-        steps = ReplicatedSteps(model, CoreLayout(8), on_mxu=on_mxu)
-        return steps._cores_unrolled([v.value for v in model.trainable_variables],
-                                     [v.value for v in model.non_trainable_variables],
-                                     np.zeros((8 * core_rows, 8, 8, 8)))
+        steps = ReplicatedSteps(model, CoreLayout(8))
+        return steps._cores_looped([v.value for v in model.trainable_variables],
+                                   [v.value for v in model.non_trainable_variables], np.zeros((16, 8, 8, 8)))
 
-    assert [groups(n) for n in (0, 1, 4, 5, 13, 21)] == [1, 8, 8, 4, 2, 1]
-    # A depthwise convolution summed tap by tap on the MXU is nine products (3x3 taps): 1 + 9 copies fit
-    # 2 groups, 1 + 2 x 9 only 1; off the MXU it is one XLA convolution.
-    assert [groups(1, 1), groups(1, 2), groups(1, 2, on_mxu=False)] == [2, 1, 8]
-    # Below 64 rows per core the cores run vectorised: XLA's convolutions gain nothing from a core's batch.
-    assert [groups(1, core_rows=63), groups(4, core_rows=2), groups(4, core_rows=128)] == [1, 1, 8]
-    # Whatever the grouping, training gives the same weights.
-    x = np.random.default_rng(0).standard_normal((64, 8, 8, 2)).astype("float32")
+    assert looped(keras.layers.Conv2D(4, 3)) and looped(keras.layers.DepthwiseConv2D(3))
+    assert not looped(keras.layers.Dense(4)) and not looped(keras.layers.BatchNormalization())
+    # Looped or vectorised, training gives the same weights: each core's BatchNormalization statistics and
+    # dropout stream, partial batches included.
+    x = np.random.default_rng(0).standard_normal((60, 8, 8, 2)).astype("float32")
     y = x.sum(axis=(1, 2, 3))[:, None]
     trained = []
-    for unrolled in (1, 2, 8):
+    for loop in (False, True):
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((8, 8, 2)), keras.layers.Conv2D(3, 3), keras.layers.BatchNormalization(),
-                                  keras.layers.Flatten(), keras.layers.Dense(1)])
+                                  keras.layers.Dropout(0.3), keras.layers.Flatten(), keras.layers.Dense(1)])
         model.compile(keras.optimizers.SGD(0.01), "mse")
         tpu = on_tpu(model, "highest")
         tpu.fit(x[:8], y[:8], batch_size=8, verbose=0)  # builds the steps
         steps = installed_on(tpu).steps
-        steps.unrolled_cores = unrolled
+        steps.looped_cores = loop
         tpu.make_train_function(force=True)
-        tpu.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
-        trained.append(tpu.get_weights())
-    for other in trained[1:]:
-        assert_weights_close(other, trained[0], atol=1e-5)
+        history = tpu.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
+        trained.append((tpu.get_weights(), history["loss"], tpu.predict(x, batch_size=32, verbose=0)))
+    (vectorised, vectorised_loss, vectorised_out), (loop_weights, loop_loss, loop_out) = trained
+    assert_weights_close(loop_weights, vectorised, atol=1e-5)
+    np.testing.assert_allclose(loop_loss, vectorised_loss, rtol=1e-5)
+    np.testing.assert_allclose(loop_out, vectorised_out, atol=1e-5)
 
 
 def test_a_model_that_mixes_rows_is_evaluated_core_by_core():
