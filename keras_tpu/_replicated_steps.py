@@ -228,7 +228,7 @@ class ReplicatedSteps:
             self.custom = sorted(set(self.custom) | {"train_step", "test_step"})
         self.looped_cores = looped_cores  # None: decided per model (see _cores_looped)
         self.user_model = user_model or model
-        self._rows_independent = None  # decided on the first inference program (see _cores_merged)
+        self._rows_independent = None  # rows merged at inference, decided on first use (see _cores_merged)
         self._rows_independent_in_training = None  # decided on the first training program (see _cores_merged)
         self._core_forwards = {}  # one core's forward pass per input shape (see _core_forward)
         self._losses_added_in_call = {}  # whether the forward pass adds losses, per input shape
@@ -414,19 +414,22 @@ class ReplicatedSteps:
 
         At inference a model whose rows do not interact
         (:func:`rows_independent_at_inference`) computes the same on the cores'
-        rows together as core by core, and XLA:CPU mostly runs it faster so:
-        the README's CIFAR-10 CNN evaluates 1024 images in 128 ms so (plain
-        Keras 148 ms) against 760 ms vectorised over the core axis (whose 5-D
-        activations YNNPACK runs slowly); the embedding model 4.6 ms against 6
-        (plain 4.3). Depthwise convolutions (summed tap by tap, see
-        :mod:`keras_tpu.mxu._kernels`) run faster at a core's batch: MobileNet
-        evaluates 512 images in 196 ms core by core in a loop, 325 ms merged.
+        rows together as core by core, and XLA:CPU runs it faster so than
+        vectorised over a core axis: the embedding model evaluates 1024 rows in
+        4.6 ms so against 6 (plain Keras 4.3), the README's CIFAR-10 CNN 1024
+        images in 128-154 ms against 760 ms (whose 5-D activations YNNPACK
+        runs slowly). A model with convolutions runs its cores in a loop
+        instead (see :meth:`_cores_looped`), at inference as in training:
+        ResNet-20 evaluates 512 images in 191 ms so against 263 merged (1024
+        in 421 against 652), MobileNet 154-196 against 325 (its depthwise
+        convolutions, summed tap by tap, see :mod:`keras_tpu.mxu._kernels`);
+        the CIFAR CNN 148-153 ms against 138-154 merged, keras.io's MNIST
+        convnet and Conv1D classifier alike.
         A test or training program also needs losses averaged over rows or
         summed (the mean of per-core weighted means, ``mean_with_sample_weight``,
         differs). A training step merges its cores' rows only where they are
         independent in training too (:func:`rows_independent_in_training`: no
-        BatchNormalization, no dropout) and it has no convolutions, whose
-        gradients run faster core by core (see :meth:`_cores_looped`); it then
+        BatchNormalization, no dropout) and it has no convolutions; it then
         skips the core axis XLA would compile and run through every op: the
         zoo's Transformer trains at 256 ms per step against 267 (in-process
         A/B) and its first fit() is ready 0.2-0.3 s sooner (1.75-1.88 s less a
@@ -438,8 +441,8 @@ class ReplicatedSteps:
             return False
         if self._rows_independent is None:
             # A wrapper's own call (keras_to_tpu_model's) only runs the model it wraps.
-            self._rows_independent = rows_independent_at_inference(self.user_model) and not any(
-                groups > 1 for groups in self._convolution_groups(trainable, non_trainable, x))
+            self._rows_independent = rows_independent_at_inference(self.user_model) and not self._cores_looped(
+                trainable, non_trainable, x)
         if mode == "predict" or not self._rows_independent:
             return self._rows_independent
         reductions = set(_keras_private.loss_reductions(self.model))
@@ -448,8 +451,7 @@ class ReplicatedSteps:
         if mode == "train":
             if self._rows_independent_in_training is None:
                 self._rows_independent_in_training = rows_independent_in_training(self.user_model)
-            # Convolutions' gradients run faster at a core's batch (see _cores_looped): those stay core by core.
-            return self._rows_independent_in_training and not self._cores_looped(trainable, non_trainable, x)
+            return self._rows_independent_in_training
         return True
 
     def _core_forward(self, trainable, non_trainable, x):
