@@ -414,17 +414,18 @@ class ReplicatedSteps:
 
         At inference a model whose rows do not interact
         (:func:`rows_independent_at_inference`) computes the same on the cores'
-        rows together as core by core, and XLA:CPU runs it faster so than
-        vectorised over a core axis: the embedding model evaluates 1024 rows in
-        4.6 ms so against 6 (plain Keras 4.3), the README's CIFAR-10 CNN 1024
-        images in 128-154 ms against 760 ms (whose 5-D activations YNNPACK
-        runs slowly). A model with convolutions runs its cores in a loop
-        instead (see :meth:`_cores_looped`), at inference as in training:
-        ResNet-20 evaluates 512 images in 191 ms so against 263 merged (1024
-        in 421 against 652), MobileNet 154-196 against 325 (its depthwise
-        convolutions, summed tap by tap, see :mod:`keras_tpu.mxu._kernels`);
-        the CIFAR CNN 148-153 ms against 138-154 merged, keras.io's MNIST
-        convnet and Conv1D classifier alike.
+        rows together as core by core, and XLA:CPU mostly runs it faster so:
+        the README's CIFAR-10 CNN evaluates 1024 images in 128-154 ms so (plain
+        Keras 148 ms) against 148-153 ms with its cores in a loop and 760 ms
+        vectorised over the core axis (whose 5-D activations YNNPACK runs
+        slowly); keras.io's MNIST convnet evaluated at 1.04x plain Keras so,
+        0.86x looped; the embedding model 4.6 ms against 6 vectorised (plain
+        4.3). ResNet-20 would evaluate faster looped (512 images in 191 ms
+        against 263 merged, plain Keras 226), but no rule that also keeps the
+        CIFAR CNN and the MNIST convnet merged was found. Depthwise
+        convolutions (summed tap by tap, see :mod:`keras_tpu.mxu._kernels`)
+        run faster at a core's batch: MobileNet evaluates 512 images in
+        154-196 ms with its cores in a loop, 325 ms merged.
         A test or training program also needs losses averaged over rows or
         summed (the mean of per-core weighted means, ``mean_with_sample_weight``,
         differs). A training step merges its cores' rows only where they are
@@ -441,8 +442,8 @@ class ReplicatedSteps:
             return False
         if self._rows_independent is None:
             # A wrapper's own call (keras_to_tpu_model's) only runs the model it wraps.
-            self._rows_independent = rows_independent_at_inference(self.user_model) and not self._cores_looped(
-                trainable, non_trainable, x)
+            self._rows_independent = rows_independent_at_inference(self.user_model) and not any(
+                groups > 1 for groups in self._convolution_groups(trainable, non_trainable, x))
         if mode == "predict" or not self._rows_independent:
             return self._rows_independent
         reductions = set(_keras_private.loss_reductions(self.model))
@@ -451,7 +452,8 @@ class ReplicatedSteps:
         if mode == "train":
             if self._rows_independent_in_training is None:
                 self._rows_independent_in_training = rows_independent_in_training(self.user_model)
-            return self._rows_independent_in_training
+            # Convolutions' gradients run faster at a core's batch (see _cores_looped): those stay core by core.
+            return self._rows_independent_in_training and not self._cores_looped(trainable, non_trainable, x)
         return True
 
     def _core_forward(self, trainable, non_trainable, x):

@@ -63,6 +63,13 @@ CONV_CASES = {
                                                               dimension_numbers=("NHWC", "HWIO", "NHWC"))),
     "depthwise_nchw": ((2, 4, 9, 9), (4, 1, 3, 3), dict(window_strides=(1, 1), padding="SAME", feature_group_count=4,
                                                         dimension_numbers=("NCHW", "OIHW", "NCHW"))),
+    # Matrix products (kernels.conv_as_dot): a 1x1 kernel at stride 1, and a window as large as the input.
+    "pointwise": ((2, 5, 6, 8), (1, 1, 8, 6), dict(window_strides=(1, 1), padding="VALID",
+                                                   dimension_numbers=("NHWC", "HWIO", "NHWC"))),
+    "pointwise_nchw": ((2, 8, 5, 6), (6, 8, 1, 1), dict(window_strides=(1, 1), padding="SAME",
+                                                        dimension_numbers=("NCHW", "OIHW", "NCHW"))),
+    "whole_window": ((2, 4, 5, 3), (4, 5, 3, 7), dict(window_strides=(2, 2), padding="VALID",
+                                                      dimension_numbers=("NHWC", "HWIO", "NHWC"))),
 }
 
 
@@ -150,7 +157,8 @@ def _grads(op, a, b, c):
 
 
 @pytest.mark.parametrize("form", kernels.ALL_FORMS)
-@pytest.mark.parametrize("case", ["forward", "batched", "strided_dilated", "feature_groups", "depthwise"])
+@pytest.mark.parametrize("case", ["forward", "batched", "strided_dilated", "feature_groups", "depthwise", "pointwise",
+                                  "pointwise_nchw"])
 def test_gradients_are_exact_in_every_form(rng, case, form):
     if case in DOT_CASES:
         lhs_shape, rhs_shape, dn = DOT_CASES[case]
@@ -214,6 +222,21 @@ def test_bfloat16_operands_skip_the_passes_of_zero_parts(rng):
             assert hlo.count("stablehlo.dot_general") == 1, (form, precision)
             got = routed(dot, form, precision)(a, b)
             np.testing.assert_array_equal(np.asarray(got), np.asarray(routed(dot, form)(a, b)))
+
+
+@pytest.mark.parametrize("case", ["pointwise", "pointwise_nchw", "whole_window"])
+def test_convolutions_that_are_matrix_products_run_as_dots_with_their_gradients(case):
+    lhs_shape, rhs_shape, kwargs = CONV_CASES[case]
+    op = _conv(kwargs)
+    a, b = jnp.ones(lhs_shape), jnp.ones(rhs_shape)
+    c = jnp.ones(jax.eval_shape(op, a, b).shape)
+    # A pointwise convolution's gradients are pointwise and whole-window ones (a whole window's are not).
+    fun = op if case == "whole_window" else lambda a, b: (op(a, b), _grads(op, a, b, c))
+    text = jax.jit(mxu.route(fun)).lower(a, b).as_text()
+    assert "convolution" not in text and "dot_general" in text
+    # Any other convolution stays one.
+    lhs_shape, rhs_shape, kwargs = CONV_CASES["nhwc_same"]
+    assert "convolution" in jax.jit(mxu.route(_conv(kwargs))).lower(jnp.ones(lhs_shape), jnp.ones(rhs_shape)).as_text()
 
 
 def _dot_lines(fun, form, *args):
