@@ -424,8 +424,9 @@ class ReplicatedSteps:
         against 263 merged, plain Keras 226), but no rule that also keeps the
         CIFAR CNN and the MNIST convnet merged was found. Depthwise
         convolutions (summed tap by tap, see :mod:`keras_tpu.mxu._kernels`)
-        run faster at a core's batch: MobileNet evaluates 512 images in
-        154-196 ms with its cores in a loop, 325 ms merged.
+        run faster at a core's batch: MobileNet evaluated 512 images in
+        154-196 ms with its cores in a loop, 325 ms merged (89 ms looped since
+        its pointwise convolutions run as products).
         A test or training program also needs losses averaged over rows or
         summed (the mean of per-core weighted means, ``mean_with_sample_weight``,
         differs). A training step merges its cores' rows only where they are
@@ -495,8 +496,10 @@ class ReplicatedSteps:
         (vectorised: 1.39 s per step); ResNet-20 (batch 512) 711 / 275 / 4.7
         against 1022 / 270 / 4.6 vectorised (unrolled in 8: 1.21 s per step,
         12.6 s compile); MobileNet (batch 512) 965 / 196 / 5.7 against 1473 /
-        341 / 6.0 vectorised; keras.io's MNIST convnet (batch 128, 16 rows per
-        core) 4.0x plain Keras' training speed against 1.85x, and its Conv1D
+        341 / 6.0 vectorised (before its pointwise convolutions ran as
+        products, see :func:`keras_tpu.mxu._kernels.conv_as_dot`); keras.io's
+        MNIST convnet (batch 128, 16 rows per core) 4.0x plain Keras' training
+        speed against 1.85x, and its Conv1D
         text classifier (batch 32, 4 rows per core) 1.31x against 1.06x. A
         training step differentiates each core's step inside the loop
         (``CoreLayout.value_and_grad_over_cores``): differentiating the loop
