@@ -629,25 +629,24 @@ def _canonical_conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilatio
     return _transpose(_barrier_unless_identity(out, inverse) if materialize else out, inverse)
 
 
-def conv_as_dot(lhs_shape, rhs_shape, out_shape, window_strides, padding, lhs_dilation, rhs_dilation,
-                dimension_numbers, feature_group_count, batch_group_count):
-    """``(dot dimension numbers, result axes)`` when a convolution is a matrix product, else ``None``.
+def conv_as_dot(lhs_shape, rhs_shape, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+                feature_group_count, batch_group_count):
+    """``(dot dimension numbers, kernel axes dropped, result axes)`` when a convolution is a matrix product,
+    else ``None``.
 
     Two kinds are: a *pointwise* convolution (a 1x1 kernel at stride 1, no
     padding: each output position is its input row times the kernel, as a
     TPU maps it onto the MXU), with its input gradient; and a convolution
     whose window covers its whole unpadded input (one output position: the
     weight gradient of a pointwise convolution), contracting the spatial
-    axes too. ``dot_general(lhs', rhs, dims)`` on ``lhs`` as it is and
-    ``rhs`` with its size-1 spatial axes dropped (pointwise) gives the
-    result, whose axes ``result axes`` lists in the canonical order (batch,
-    feature, spatial...) of the convolution's output; spatial axes missing
-    from it have size 1.
+    axes too. ``dot_general(lhs, rhs without the dropped axes, dims)``
+    transposed by ``result axes`` holds the output's axes in canonical order
+    (batch, feature, spatial...); spatial axes it lacks have size 1.
 
     Example:
         >>> dn = lax.conv_dimension_numbers((8, 4, 4, 3), (1, 1, 3, 5), ("NHWC", "HWIO", "NHWC"))
-        >>> conv_as_dot((8, 4, 4, 3), (1, 1, 3, 5), (8, 4, 4, 5), (1, 1), ((0, 0), (0, 0)), (1, 1), (1, 1), dn, 1, 1)
-        ((((3,), (0,)), ((), ())), (0, 3, 1, 2))
+        >>> conv_as_dot((8, 4, 4, 3), (1, 1, 3, 5), (1, 1), ((0, 0), (0, 0)), (1, 1), (1, 1), dn, 1, 1)
+        ((((3,), (0,)), ((), ())), (0, 1), (0, 3, 1, 2))
     """
     if feature_group_count != 1 or batch_group_count != 1:
         return None
@@ -660,20 +659,19 @@ def conv_as_dot(lhs_shape, rhs_shape, out_shape, window_strides, padding, lhs_di
         in_feature = 0 if rspec[1] < rspec[0] else 1
         free = [d for d in range(len(lhs_shape)) if d != lspec[1]]       # the result's leading axes
         axes = (free.index(lspec[0]), len(free)) + tuple(free.index(d) for d in lspec[2:])
-        return (((lspec[1],), (in_feature,)), ((), ())), axes
+        return (((lspec[1],), (in_feature,)), ((), ())), tuple(rspec[2:]), axes
     if window == [lhs_shape[d] for d in lspec[2:]]:
         contracting = (lspec[1],) + tuple(lspec[2:]), (rspec[1],) + tuple(rspec[2:])
-        return (contracting, ((), ())), (0, 1)
+        return (contracting, ((), ())), (), (0, 1)
     return None
 
 
-def conv_dot_pass(lhs, rhs, out_shape, dimension_numbers, dot_numbers, axes, form):
-    """One MXU pass of a convolution that is a matrix product (:func:`conv_as_dot`), as that product."""
-    lspec, rspec, ospec = dimension_numbers
-    if len(axes) > 2:  # pointwise: the kernel's spatial axes have size 1
-        rhs = lax.squeeze(rhs, tuple(rspec[2:]))
-    out = dot_pass(lhs, rhs, dot_numbers, form)
-    canonical = lax.transpose(out, axes) if len(axes) > 2 else out.reshape(out.shape + (1,) * (len(ospec) - 2))
+def conv_dot_pass(lhs, rhs, out_shape, dimension_numbers, as_dot, form):
+    """One MXU pass of a convolution that is a matrix product (``as_dot``, from :func:`conv_as_dot`)."""
+    dot_numbers, dropped, axes = as_dot
+    out = _transpose(dot_pass(lhs, lax.squeeze(rhs, dropped), dot_numbers, form), axes)
+    ospec = dimension_numbers[2]
+    canonical = out.reshape(out.shape + (1,) * (len(ospec) - out.ndim))
     perm = [0] * len(ospec)      # output axis ospec[j] is canonical axis j
     for j, dim in enumerate(ospec):
         perm[dim] = j

@@ -61,16 +61,16 @@ def _conv_pass(lhs, rhs, out_shape, window_strides, padding, lhs_dilation, rhs_d
     geometry = dict(window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation,
                     rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
                     feature_group_count=feature_group_count, batch_group_count=batch_group_count)
-    as_dot = kernels.conv_as_dot(lhs.shape, rhs.shape, out_shape, **geometry) \
-        if _static(lhs.shape, rhs.shape, out_shape) else None
+    as_dot = kernels.conv_as_dot(lhs.shape, rhs.shape, **geometry) if _static(lhs.shape, rhs.shape, out_shape) \
+        else None
     if as_dot is not None:
         # A pointwise convolution and its gradients are matrix products (as a TPU runs them): on the dot's
         # forms, native bf16 where that measured faster, and no convolution for XLA:CPU to canonicalise.
-        dot_numbers, axes = as_dot
-        rhs_shape = tuple(d for i, d in enumerate(rhs.shape) if len(axes) == 2 or i not in dimension_numbers[1][2:])
+        dot_numbers, dropped, _ = as_dot
+        rhs_shape = tuple(d for i, d in enumerate(rhs.shape) if i not in dropped)
         form = kernels.choose_form("dot", kernels.dot_layout(lhs.ndim, len(rhs_shape), dot_numbers),
                                    kernels.dot_gemm(lhs.shape, rhs_shape, dot_numbers))
-        return form, lambda a, b: kernels.conv_dot_pass(a, b, out_shape, dimension_numbers, dot_numbers, axes, form)
+        return form, lambda a, b: kernels.conv_dot_pass(a, b, out_shape, dimension_numbers, as_dot, form)
     if _static(lhs.shape, rhs.shape, out_shape):
         gemm = kernels.conv_gemm(lhs.shape, rhs.shape, out_shape, dimension_numbers, feature_group_count,
                                  batch_group_count)
