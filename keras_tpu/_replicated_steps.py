@@ -46,6 +46,7 @@ steps runs instead (compiled once per count): inactive steps cost nothing.
 
 import collections
 import concurrent.futures
+import contextlib
 import itertools
 import time
 
@@ -74,6 +75,10 @@ SEED_STRIDE = 0x9E3779B1
 # the native bf16 forms the kernel table chooses are fast (benchmarks/mxu_kernels.py).
 XLA_CPU_OPTIONS = {mode: kernels.compiler_options(mode) for mode in ("train", "test", "predict")}
 
+
+#: How an inference program whose rows are independent lays a device's cores (see ReplicatedSteps._cores_merged):
+#: all their rows as one batch, or core by core in a loop.
+MERGED, LOOPED = "merged", "looped"
 
 #: Compiles programs in the background while the caller estimates their HBM footprint (see _Program._executable).
 _COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="keras-tpu-compile")
@@ -230,6 +235,8 @@ class ReplicatedSteps:
         self.user_model = user_model or model
         self._rows_independent = None  # rows merged at inference, decided on first use (see _cores_merged)
         self._rows_independent_in_training = None  # decided on the first training program (see _cores_merged)
+        self.layout_choices = set()  # inference modes whose programs may run merged or looped (see _cores_merged)
+        self._tracing_layout = None  # the inference layout being traced (see tracing_inference_layout)
         self._core_forwards = {}  # one core's forward pass per input shape (see _core_forward)
         self._losses_added_in_call = {}  # whether the forward pass adds losses, per input shape
         self.model = model
@@ -420,9 +427,15 @@ class ReplicatedSteps:
         vectorised over the core axis (whose 5-D activations YNNPACK runs
         slowly); keras.io's MNIST convnet evaluated at 1.04x plain Keras so,
         0.86x looped; the embedding model 4.6 ms against 6 vectorised (plain
-        4.3). ResNet-20 would evaluate faster looped (512 images in 191 ms
-        against 263 merged, plain Keras 226), but no rule that also keeps the
-        CIFAR CNN and the MNIST convnet merged was found. Depthwise
+        4.3). With convolutions neither layout always wins, and no rule from
+        the model's layers separated them: ResNet-20 evaluates faster looped
+        (512 images in 191 ms against 263 merged, plain Keras 226), and so
+        does the same network without batch normalization or residual adds,
+        because XLA's YNNPACK fusions split at the rounding of the merged
+        program's 32-feature activations; the CIFAR CNN, which YNNPACK runs
+        as one fusion, and the MNIST convnet run faster merged. Such programs
+        (``layout_choices``) are traced both ways and :class:`LayoutTrial`
+        times them on the first batches. Depthwise
         convolutions (summed tap by tap, see :mod:`keras_tpu.mxu._kernels`)
         run faster at a core's batch: MobileNet evaluated 512 images in
         154-196 ms with its cores in a loop, 325 ms merged (89 ms looped since
@@ -445,17 +458,32 @@ class ReplicatedSteps:
             # A wrapper's own call (keras_to_tpu_model's) only runs the model it wraps.
             self._rows_independent = rows_independent_at_inference(self.user_model) and not any(
                 groups > 1 for groups in self._convolution_groups(trainable, non_trainable, x))
-        if mode == "predict" or not self._rows_independent:
-            return self._rows_independent
-        reductions = set(_keras_private.loss_reductions(self.model))
-        if not reductions <= {"sum_over_batch_size", "sum"}:
+        if not self._rows_independent:
             return False
+        if mode != "predict":
+            reductions = set(_keras_private.loss_reductions(self.model))
+            if not reductions <= {"sum_over_batch_size", "sum"}:
+                return False
         if mode == "train":
             if self._rows_independent_in_training is None:
                 self._rows_independent_in_training = rows_independent_in_training(self.user_model)
             # Convolutions' gradients run faster at a core's batch (see _cores_looped): those stay core by core.
             return self._rows_independent_in_training and not self._cores_looped(trainable, non_trainable, x)
+        if self.looped_cores is None and self._cores_looped(trainable, non_trainable, x):
+            # Which runs faster depends on how XLA:CPU fuses the model's convolutions: measured (LayoutTrial).
+            self.layout_choices.add(mode)
+            return self._tracing_layout != LOOPED
         return True
+
+    @contextlib.contextmanager
+    def tracing_inference_layout(self, layout):
+        """Inference programs traced in the block run their cores ``LOOPED`` where they could also run them
+        ``MERGED`` (see :meth:`_cores_merged`); ``None`` or ``MERGED``: the default, merged."""
+        previous, self._tracing_layout = self._tracing_layout, layout
+        try:
+            yield
+        finally:
+            self._tracing_layout = previous
 
     def _core_forward(self, trainable, non_trainable, x):
         """What one core's forward pass on its rows of ``x`` produces and runs: ``(output shapes, convolution
@@ -661,6 +689,56 @@ class ReplicatedSteps:
         return (trainable, non_trainable, metrics_values)
 
 
+class LayoutTrial:
+    """Chooses how an inference program lays its cores by timing both layouts on its first batches.
+
+    For a model with convolutions and independent rows, evaluating the cores'
+    rows as one batch or core by core computes the same; which runs faster
+    depends on how XLA:CPU fuses the model's convolutions (see
+    ``ReplicatedSteps._cores_merged``). The program's first call runs merged
+    (compiled and warmed up); the calls after it follow :attr:`SCHEDULE`, each
+    timed to its end (a run that compiled is not counted), and the layout with
+    the best time per step is kept from then on: merged unless looped is at
+    least :attr:`MARGIN` faster. The trial stops at its first run, merged, if
+    that took less than :attr:`MIN_STEP_SECONDS`: a few milliseconds cannot be
+    timed reliably here (keras.io's MNIST convnet and Conv1D classifier timed
+    faster looped in single runs and ran 0.78-0.87x plain Keras' speed so,
+    against 0.95x merged). The batches of the trial are the user's own, and
+    each computes its real result.
+
+    Example:
+        >>> trial = LayoutTrial()
+        >>> for seconds in (0.26, None, 0.20, 0.27, 0.19, 0.26):   # merged, looped (compiled), looped, ...
+        ...     chosen = trial.record(trial.layout(), seconds)
+        >>> chosen
+        'looped'
+    """
+
+    SCHEDULE = (MERGED, LOOPED, LOOPED, MERGED, LOOPED, MERGED)
+    MARGIN = 0.03
+    MIN_STEP_SECONDS = 0.05
+
+    def __init__(self):
+        self._runs = 0
+        self.best = {MERGED: float("inf"), LOOPED: float("inf")}  # seconds per step
+
+    def layout(self):
+        """The layout the next call runs."""
+        return self.SCHEDULE[self._runs]
+
+    def record(self, layout, seconds_per_step):
+        """Note a call's time per step (``None``: not comparable, it compiled); the chosen layout once the
+        trial is over, else ``None``."""
+        if seconds_per_step is not None:
+            self.best[layout] = min(self.best[layout], seconds_per_step)
+        self._runs += 1
+        if self._runs == 1 and self.best[MERGED] < self.MIN_STEP_SECONDS:
+            return MERGED
+        if self._runs < len(self.SCHEDULE):
+            return None
+        return LOOPED if self.best[LOOPED] < (1 - self.MARGIN) * self.best[MERGED] else MERGED
+
+
 class _Program:
     """The compiled programs of one mode (one per number of stacked steps) and their feeding."""
 
@@ -684,39 +762,67 @@ class _Program:
         # gradients alike), instead of rounding every weight again in each of its products.
         self.rounds_weights = builder.on_mxu and builder.precision is Precision.DEFAULT
         self._device_fn = device_fn
-        self._reading_copies = _rounded_weights.reading_rounded_weights(device_fn, builder.precision) \
-            if self.rounds_weights else None
-        self._jitted = {}  # reads copies -> the jitted program (see _program)
+        self._readings = {}  # cores' layout -> the device step reading weight copies (see _reading)
+        self._jitted = {}  # (reads copies, cores' layout) -> the jitted program (see _program)
         self._executables = {}
+        # How the cores lie in an inference program that may merge them (ReplicatedSteps.layout_choices): merged
+        # until a LayoutTrial, started after the first call, has timed both.
+        self._cores_layout = MERGED
+        self._trial = None
         self._copies = _rounded_weights.WeightCopies()  # the bfloat16 weight copies the next call reads
         self._reads_copies = self.rounds_weights  # whether the program of the last call reads copies
         self._last_state = []  # the leaves of the state the last call returned
-        self._last_call = None  # (the batch's shapes and dtypes, the executable) of the last call
+        self._last_call = None  # ((the batch's shapes and dtypes, the cores' layout), the executable) of the last call
         self._in_flight = ProgramsInFlight(self.layout.max_programs_in_flight)
         builder.last_programs[mode] = self
 
-    def _program(self, copies):
-        """The jitted program of this mode, its products reading bfloat16 weight copies (``copies``) or not.
+    def _device_step(self, layout):
+        """The device step, traced with the cores in ``layout`` where the program may choose it."""
+        if layout == MERGED:
+            return self._device_fn
+        builder, device_fn = self.builder, self._device_fn
+
+        def step_in_layout(*args):
+            with builder.tracing_inference_layout(layout):
+                return device_fn(*args)
+
+        return step_in_layout
+
+    def _reading(self, layout):
+        """The device step in ``layout`` as it reads bfloat16 weight copies (``None`` when it reads none)."""
+        if not self.rounds_weights:
+            return None
+        if layout not in self._readings:
+            self._readings[layout] = _rounded_weights.reading_rounded_weights(self._device_step(layout),
+                                                                              self.builder.precision)
+        return self._readings[layout]
+
+    def _program(self, copies, layout=MERGED):
+        """The jitted program of this mode, its products reading bfloat16 weight copies (``copies``) or not,
+        its cores in ``layout`` where it may choose.
 
         Either way it takes ``(state, copies, data, mask, real rows)``; a training program reading copies also
         returns those of the weights it wrote. Both forms run the device step as traced once by
         :class:`keras_tpu._rounded_weights.ReadingRoundedWeights`.
         """
-        if copies in self._jitted:
-            return self._jitted[copies]
-        device_fn, reading, train = self._device_fn, self._reading_copies, self.mode == "train"
+        key = copies, layout
+        if key in self._jitted:
+            return self._jitted[key]
+        reading, train = self._reading(layout), self.mode == "train"
         if reading is None:
+            device_fn = self._device_step(layout)
+
             def step_fn(state, _no_copies, *rest):
                 return device_fn(state, *rest)
         else:
             step_fn = reading.step(copies, returns_copies=train)
         outputs = (ROWS if self.mode == "predict" else REPLICATED, REPLICATED) + ((REPLICATED,) if copies and train
                                                                                  else ())
-        self._jitted[copies] = jax.jit(
+        self._jitted[key] = jax.jit(
             self.layout.per_device(rewrite.transform(step_fn, self.builder.rule),
                                    in_specs=(REPLICATED, REPLICATED) + self._ARGUMENT_SPECS[1:], out_specs=outputs),
             donate_argnums=(0, 1) if len(outputs) == 3 else 0, compiler_options=XLA_CPU_OPTIONS[self.mode] or None)
-        return self._jitted[copies]
+        return self._jitted[key]
 
     def _place(self, state, stacked, returned):
         args = (state, stacked.data, stacked.mask, stacked.real_rows)
@@ -742,31 +848,35 @@ class _Program:
             return args
         return (jax.device_put(state, replicated),) + args[1:]
 
-    def _executable(self, args, stacked):
+    def _executable(self, args, stacked, layout):
+        """``(executable, whether it was compiled now)`` of this mode's program for ``args``, cores in ``layout``."""
         leaves, structure = jax.tree.flatten(args)
-        key = structure, tuple((a.shape, a.dtype) for a in leaves)
+        key = structure, tuple((a.shape, a.dtype) for a in leaves), layout
         executable = self._executables.get(key)
-        if executable is None:
-            started = time.perf_counter()
-            # XLA compiles without holding the GIL, so the per-core HBM estimate (a Python trace of one
-            # core's step) runs meanwhile: ResNet-20's first step is ready 0.7 s sooner.
-            compiling = _COMPILER.submit(self._program(self._reads_copies).lower(*args).compile)
-            footprint = self.builder.hbm_footprint(self.mode, (args[0],) + args[2:])  # a TPU keeps no bf16 copies
-            if footprint is not None:
-                footprint.check()  # a program that would not fit a core's HBM fails here, as on a TPU
-            executable = compiling.result()
-            self._executables[key] = executable
-            real = int(stacked.real_rows.max())
-            padding = "" if real == self.stacker.global_batch else f", {real} real rows"
-            x = keras.utils.unpack_x_y_sample_weight(stacked.data)[0]
-            shapes = tree.map_structure(lambda a: a[:, 0], x, none_is_leaf=False)  # one step's rows
-            logger.info("Compiled the TPU %s program (global batch %d%s, %d step(s) per call) in %.1f s; inputs %s%s.",
-                        self.mode, self.stacker.global_batch, padding, stacked.steps, time.perf_counter() - started,
-                        describe_input_shapes(shapes), "" if footprint is None else f"; {footprint.describe()}")
-            self.builder.note_compiled_shape(self.mode, describe_input_shapes(shapes, rows=0))
-        return executable
+        if executable is not None:
+            return executable, False
+        started = time.perf_counter()
+        # XLA compiles without holding the GIL, so the per-core HBM estimate (a Python trace of one
+        # core's step) runs meanwhile: ResNet-20's first step is ready 0.7 s sooner.
+        compiling = _COMPILER.submit(self._program(self._reads_copies, layout).lower(*args).compile)
+        # A TPU keeps no bf16 copies. One core's step needs the same HBM in either layout: checked once.
+        footprint = None if layout == LOOPED else self.builder.hbm_footprint(self.mode, (args[0],) + args[2:])
+        if footprint is not None:
+            footprint.check()  # a program that would not fit a core's HBM fails here, as on a TPU
+        executable = compiling.result()
+        self._executables[key] = executable
+        real = int(stacked.real_rows.max())
+        padding = "" if real == self.stacker.global_batch else f", {real} real rows"
+        x = keras.utils.unpack_x_y_sample_weight(stacked.data)[0]
+        shapes = tree.map_structure(lambda a: a[:, 0], x, none_is_leaf=False)  # one step's rows
+        logger.info("Compiled the TPU %s program (global batch %d%s, %d step(s) per call%s) in %.1f s; inputs "
+                    "%s%s.", self.mode, self.stacker.global_batch, padding, stacked.steps,
+                    ", cores in a loop" if layout == LOOPED else "", time.perf_counter() - started,
+                    describe_input_shapes(shapes), "" if footprint is None else f"; {footprint.describe()}")
+        self.builder.note_compiled_shape(self.mode, describe_input_shapes(shapes, rows=0))
+        return executable, True
 
-    def _round_weights(self, args):
+    def _round_weights(self, args, layout):
         """Make the bfloat16 copies the program reads of the weights in ``args`` (see keras_tpu._rounded_weights),
         unless the copies at hand are of these weights already.
 
@@ -774,7 +884,7 @@ class _Program:
         compile reuses), not a table that is only looked up. A new evaluate() resets the metrics but passes back
         the weights: they are rounded once per set of weights.
         """
-        self._reads_copies, read = self._reading_copies.copies_to_make(
+        self._reads_copies, read = self._reading(layout).copies_to_make(
             *self.layout.device_shapes(args, self._ARGUMENT_SPECS), training=self.mode == "train",
             axis_env=self.layout.axis_env())
         self._copies.for_weights(jax.tree.leaves(args[0][0]), read)
@@ -793,27 +903,31 @@ class _Program:
         stacked = self.stacker.stack(batches)
         returned = same_arrays(jax.tree.leaves(state), self._last_state)  # Keras hands the state back as it is
         args = self._place(state, stacked, returned)
+        layout = self._trial.layout() if self._trial is not None else self._cores_layout
         # A step's state has the shapes of the state it was given, so after the first step only the batch can
         # change which program runs: its numpy shapes are a cheaper key than every weight's (~15 us per step).
         batch_leaves, batch_structure = jax.tree.flatten(stacked.data)
-        batch_key = batch_structure, tuple((a.shape, a.dtype) for a in batch_leaves)
+        batch_key = batch_structure, tuple((a.shape, a.dtype) for a in batch_leaves), layout
         same_program = returned and self._last_call is not None and self._last_call[0] == batch_key
         if self.rounds_weights and not same_program:
-            self._round_weights(args)
+            self._round_weights(args, layout)
         args = (args[0], self._copies.copies) + args[1:]
+        compiled = False
         if same_program:
             executable = self._last_call[1]
         else:
             try:
-                executable = self._executable(args, stacked)
+                executable, compiled = self._executable(args, stacked, layout)
             except hbm.ResourceExhaustedError:
                 _keras_private.give_back_state(self.builder.model, self.mode, state)  # nothing ran: keep the weights
                 raise
         self._last_call = batch_key, executable
         if not pod.is_multi_worker():
+            started = time.perf_counter()
             result = self._kept_copies(executable(*args))
             self._last_state = jax.tree.leaves(result[1])
             self._in_flight.add(result[0])  # logs or outputs: the state is donated to the next call
+            self._time_layout(layout, result, started, stacked.steps, compiled)
             return result, stacked
         try:
             return self._kept_copies(jax.block_until_ready(executable(*args))), stacked
@@ -821,6 +935,26 @@ class _Program:
             raise pod.WorkerLostError(
                 f"The TPU {self.mode} step failed because a worker of the pod stopped ({error}). Restart all "
                 f"workers; training resumes from the last checkpoint.") from error
+
+    def _time_layout(self, layout, result, started, steps, compiled):
+        """Start or continue the :class:`LayoutTrial` of an inference program that may choose its cores' layout.
+
+        Not on a pod: every worker must run the same program, and each would time its own.
+        """
+        if self._trial is None:
+            if self._cores_layout == MERGED and compiled and self.mode in self.builder.layout_choices:
+                self._trial = LayoutTrial()  # the first call compiled and warmed the merged program
+            return
+        jax.block_until_ready(result)
+        chosen = self._trial.record(layout, None if compiled else (time.perf_counter() - started) / steps)
+        if chosen is not None:
+            best = self._trial.best
+            if best[LOOPED] == float("inf"):  # too short to time (see LayoutTrial)
+                self._trial = None
+                return
+            logger.info("The TPU %s program runs its cores %s: %.0f ms per step looped, %.0f ms merged.", self.mode,
+                        "in a loop" if chosen == LOOPED else "as one batch", 1e3 * best[LOOPED], 1e3 * best[MERGED])
+            self._cores_layout, self._trial = chosen, None
 
     def _kept_copies(self, result):
         """``(outputs or logs, state)`` of a program's result; the bfloat16 copies it read, or those a training

@@ -253,6 +253,67 @@ def test_inference_runs_all_rows_at_once_only_for_models_whose_rows_do_not_inter
     assert merged(depthwise, "mse") == (False, False)
 
 
+def test_a_layout_trial_keeps_the_faster_layout_and_merged_unless_looped_is_clearly_faster():
+    from keras_tpu._replicated_steps import LOOPED, MERGED, LayoutTrial
+
+    def chosen(merged, looped):
+        trial, times, result = LayoutTrial(), {MERGED: iter(merged), LOOPED: iter(looped)}, None
+        while result is None:
+            layout = trial.layout()
+            result = trial.record(layout, next(times[layout]))
+        return result, trial
+
+    assert chosen([0.3, 0.29, 0.3], [None, 0.2, 0.21])[0] == LOOPED
+    assert chosen([0.2, 0.21, 0.2], [None, 0.3, 0.28])[0] == MERGED
+    assert chosen([0.2, 0.2, 0.2], [None, 0.198, 0.199])[0] == MERGED  # within the margin: the default
+    # The best time counts: one slow merged run (the machine was busy) does not decide.
+    assert chosen([0.5, 0.2, 0.2], [None, 0.25, 0.25])[0] == MERGED
+    # A step of a few milliseconds cannot be timed reliably: merged after its first run.
+    result, trial = chosen([0.004], [])
+    assert result == MERGED and trial.best[LOOPED] == float("inf")
+
+
+@pytest.mark.parametrize("faster", ["looped", "merged"])
+def test_a_convolutional_model_evaluates_in_the_layout_it_timed_faster_with_the_same_results(monkeypatch, caplog,
+                                                                                               faster):
+    from keras_tpu._placement import installed_on
+    from keras_tpu._replicated_steps import LOOPED, MERGED, LayoutTrial
+
+    # Scripted times (the trial's real clock is the machine's, too noisy to test): the faster layout's runs
+    # take 1 s per step, the other's 2 s.
+    record = LayoutTrial.record
+    monkeypatch.setattr(LayoutTrial, "record", lambda self, layout, seconds: record(
+        self, layout, None if seconds is None else (1.0 if layout == faster else 2.0)))
+    keras.utils.set_random_seed(0)
+    layers = keras.layers
+    model = keras.Sequential([keras.Input((8, 8, 3)), layers.Conv2D(24, 3, activation="relu"),
+                              layers.BatchNormalization(), layers.Conv2D(20, 3, activation="relu"),
+                              layers.GlobalAveragePooling2D(), layers.Dense(4, activation="softmax")])
+    model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((100, 8, 8, 3)).astype("float32"), rng.integers(0, 4, (100, 1))
+    model.fit(x, y, batch_size=20, verbose=0)
+    want = model.evaluate(x, y, batch_size=16, verbose=0)
+    want_out = model.predict(x, batch_size=16, verbose=0)
+    tpu = on_tpu(model, "highest")
+    with caplog.at_level(logging.INFO, logger="keras_tpu"):
+        # 7 batches of 16 (the last partial): the first compiles the merged program, the next six are the trial.
+        first = tpu.evaluate(x, y, batch_size=16, verbose=0)
+        again = tpu.evaluate(x, y, batch_size=16, verbose=0)
+        out = tpu.predict(x, batch_size=16, verbose=0)
+    steps = installed_on(tpu).steps
+    assert steps.layout_choices == {"test", "predict"}
+    assert steps.last_programs["test"]._cores_layout == (LOOPED if faster == "looped" else MERGED)
+    modes = [(m, "cores in a loop" in r.getMessage()) for r in caplog.records
+             for m in ("test", "predict") if r.getMessage().startswith(f"Compiled the TPU {m} program")]
+    assert modes == [("test", False), ("test", True), ("predict", False), ("predict", True)]
+    assert f"runs its cores {'in a loop' if faster == 'looped' else 'as one batch'}" in caplog.text
+    # Every batch, in either layout, computes the CPU model's results.
+    np.testing.assert_allclose(first, want, rtol=1e-5)
+    np.testing.assert_allclose(again, want, rtol=1e-5)
+    np.testing.assert_allclose(out, want_out, atol=1e-5)
+
+
 def test_a_model_with_convolutions_runs_its_cores_in_a_loop():
     from keras_tpu._cores import CoreLayout
     from keras_tpu._placement import installed_on
