@@ -86,10 +86,11 @@ def main(argv=None):
     parser.add_argument("--learning_rate", type=float, default=0.05)
     parser.add_argument("--iterations", type=int, default=50, help="steps per device call")
     parser.add_argument("--num_shards", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=None, help="RunConfig's tf_random_seed (weights, dropout)")
     args = parser.parse_args(argv)
 
     run_config = tpu_estimator.RunConfig(
-        master=args.tpu, model_dir=args.model_dir,
+        master=args.tpu, model_dir=args.model_dir, tf_random_seed=args.seed,
         tpu_config=tpu_estimator.TPUConfig(iterations_per_loop=args.iterations, num_shards=args.num_shards))
     estimator = tpu_estimator.TPUEstimator(
         model_fn=model_fn, use_tpu=args.use_tpu, config=run_config, params={"learning_rate": args.learning_rate},

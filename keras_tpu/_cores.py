@@ -241,7 +241,7 @@ class CoreLayout:
 
         return each_core
 
-    def value_and_grad_over_cores(self, fn, params, *per_core, has_aux=False):
+    def value_and_grad_over_cores(self, fn, params, *per_core, has_aux=False, carry=None):
         """``jax.value_and_grad`` of ``sum over cores of fn(params, *core's args)``, the cores run in a loop.
 
         ``per_core`` arguments carry a leading core axis (this device's cores).
@@ -254,21 +254,40 @@ class CoreLayout:
         per-core activations for a backward loop (which XLA would allocate and
         zero for all cores), only the running sum of the gradients.
 
+        With ``carry`` (and ``has_aux``), ``fn(params, carry, *args)`` returns
+        ``(value, (aux, carry))``: a value threaded from core to core (not
+        differentiated), such as a running sum that would otherwise be stacked
+        over the cores and reduced after the loop. Returns ``(values, grads,
+        carry)`` then.
+
         Example:
             >>> layout = CoreLayout.abstract(8)
             >>> values, grads = layout.value_and_grad_over_cores(lambda w, x: w * x ** 2, 2.0, jnp.arange(8.0))
             >>> float(grads) == float(jnp.sum(jnp.arange(8.0) ** 2))
             True
+            >>> _, grads, cores = layout.value_and_grad_over_cores(   # a count threaded through the cores
+            ...     lambda w, n, x: (w * x, (x, n + 1)), 2.0, jnp.arange(8.0), has_aux=True, carry=0)
+            >>> float(grads), int(cores)
+            (28.0, 8)
         """
         value_and_grad = jax.value_and_grad(fn, has_aux=has_aux)
 
-        def core(summed, args):
-            values, grads = value_and_grad(params, *args)
-            return jax.tree.map(jnp.add, summed, grads), values
+        if carry is None:
+            def core(summed, args):
+                values, grads = value_and_grad(params, *args)
+                return jax.tree.map(jnp.add, summed, grads), values
 
-        summed = jax.tree.map(jnp.zeros_like, params)
-        summed, values = lax.scan(core, summed, per_core)
-        return values, summed
+            summed = jax.tree.map(jnp.zeros_like, params)
+            summed, values = lax.scan(core, summed, per_core)
+            return values, summed
+
+        def core_with_carry(state, args):
+            summed, threaded = state
+            (value, (aux, threaded)), grads = value_and_grad(params, threaded, *args)
+            return (jax.tree.map(jnp.add, summed, grads), threaded), (value, aux)
+
+        (summed, carry), values = lax.scan(core_with_carry, (jax.tree.map(jnp.zeros_like, params), carry), per_core)
+        return values, summed, carry
 
     def device_sum(self, tree):
         """Sum over the devices of the layout (nothing to do on one device)."""

@@ -57,6 +57,17 @@ history = tpu.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0).histo
 tpu.save_weights(out + ".h5")
 np.save(out + f"-weights-{{jax.process_index()}}.npy", np.concatenate([w.ravel() for w in tpu.get_weights()]))
 np.save(out + f"-predictions-{{jax.process_index()}}.npy", tpu.predict(x[:37], batch_size=16, verbose=0))
+# A convolutional model runs each device's cores in a loop, its BatchNormalization statistics combined over
+# the cores in the loop and then over the devices.
+import keras
+keras.utils.set_random_seed(0)
+conv = keras.Sequential([keras.Input((6, 6, 2)), keras.layers.Conv2D(3, 3), keras.layers.BatchNormalization(),
+                         keras.layers.Flatten(), keras.layers.Dense(3, activation="softmax")])
+conv.compile(keras.optimizers.SGD(0.05), "sparse_categorical_crossentropy")
+images = np.random.default_rng(1).standard_normal((200, 6, 6, 2)).astype("float32")
+conv_tpu = on_tpu(conv, "highest")
+conv_tpu.fit(images, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+np.save(out + f"-conv-{{jax.process_index()}}.npy", np.concatenate([w.ravel() for w in conv_tpu.get_weights()]))
 strategy = keras_tpu.TPUStrategy()
 with strategy.scope():
     model = small_classifier()
@@ -84,6 +95,9 @@ def test_two_workers_of_four_cores_train_like_one_process_of_eight(tmp_path):
     w0, w1 = (np.load(tmp_path / f"pod-weights-{i}.npy") for i in (0, 1))
     np.testing.assert_array_equal(w0, w1)  # identical weights on every worker
     np.testing.assert_allclose(w0, np.load(tmp_path / "one-weights-0.npy"), atol=2e-3)
+    c0, c1 = (np.load(tmp_path / f"pod-conv-{i}.npy") for i in (0, 1))
+    np.testing.assert_array_equal(c0, c1)
+    np.testing.assert_allclose(c0, np.load(tmp_path / "one-conv-0.npy"), atol=1e-5)  # moving statistics included
     p0, p1 = (np.load(tmp_path / f"pod-predictions-{i}.npy") for i in (0, 1))
     assert p0.shape == (37, 3)
     np.testing.assert_array_equal(p0, p1)
