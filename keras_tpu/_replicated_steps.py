@@ -795,9 +795,9 @@ class _Program:
         self._readings = {}  # cores' layout -> the device step reading weight copies (see _reading)
         self._jitted = {}  # (reads copies, cores' layout) -> the jitted program (see _program)
         self._executables = {}
-        # How the cores lie in an inference program that may merge them (ReplicatedSteps.layout_choices): merged
-        # until a LayoutTrial, started after the first call, has timed both.
-        self._cores_layout = MERGED
+        # How the cores lie in an inference program that may merge them (ReplicatedSteps.layout_choices): None
+        # (merged) until the LayoutTrial started after the first call has timed both, once per program.
+        self._cores_layout = None
         self._trial = None
         self._copies = _rounded_weights.WeightCopies()  # the bfloat16 weight copies the next call reads
         self._reads_copies = self.rounds_weights  # whether the program of the last call reads copies
@@ -881,7 +881,8 @@ class _Program:
     def _executable(self, args, stacked, layout):
         """``(executable, whether it was compiled now)`` of this mode's program for ``args``, cores in ``layout``."""
         leaves, structure = jax.tree.flatten(args)
-        key = structure, tuple((a.shape, a.dtype) for a in leaves), layout
+        signature = structure, tuple((a.shape, a.dtype) for a in leaves)
+        key = signature + (layout,)
         executable = self._executables.get(key)
         if executable is not None:
             return executable, False
@@ -889,8 +890,9 @@ class _Program:
         # XLA compiles without holding the GIL, so the per-core HBM estimate (a Python trace of one
         # core's step) runs meanwhile: ResNet-20's first step is ready 0.7 s sooner.
         compiling = _COMPILER.submit(self._program(self._reads_copies, layout).lower(*args).compile)
-        # A TPU keeps no bf16 copies. One core's step needs the same HBM in either layout: checked once.
-        footprint = None if layout == LOOPED else self.builder.hbm_footprint(self.mode, (args[0],) + args[2:])
+        # A TPU keeps no bf16 copies. One core's step needs the same HBM in either layout: checked once per shape.
+        checked = any(signature + (other,) in self._executables for other in (MERGED, LOOPED))
+        footprint = None if checked else self.builder.hbm_footprint(self.mode, (args[0],) + args[2:])
         if footprint is not None:
             footprint.check()  # a program that would not fit a core's HBM fails here, as on a TPU
         executable = compiling.result()
@@ -933,7 +935,7 @@ class _Program:
         stacked = self.stacker.stack(batches)
         returned = same_arrays(jax.tree.leaves(state), self._last_state)  # Keras hands the state back as it is
         args = self._place(state, stacked, returned)
-        layout = self._trial.layout() if self._trial is not None else self._cores_layout
+        layout = self._trial.layout() if self._trial is not None else self._cores_layout or MERGED
         # A step's state has the shapes of the state it was given, so after the first step only the batch can
         # change which program runs: its numpy shapes are a cheaper key than every weight's (~15 us per step).
         batch_leaves, batch_structure = jax.tree.flatten(stacked.data)
@@ -972,7 +974,7 @@ class _Program:
         Not on a pod: every worker must run the same program, and each would time its own.
         """
         if self._trial is None:
-            if self._cores_layout == MERGED and compiled and self.mode in self.builder.layout_choices:
+            if self._cores_layout is None and compiled and self.mode in self.builder.layout_choices:
                 self._trial = LayoutTrial()  # the first call compiled and warmed the merged program
             return
         jax.block_until_ready(result)
@@ -980,7 +982,7 @@ class _Program:
         if chosen is not None:
             best = self._trial.best
             if best[LOOPED] == float("inf"):  # too short to time (see LayoutTrial)
-                self._trial = None
+                self._cores_layout, self._trial = MERGED, None
                 return
             logger.info("The TPU %s program runs its cores %s: %.0f ms per step looped, %.0f ms merged.", self.mode,
                         "in a loop" if chosen == LOOPED else "as one batch", 1e3 * best[LOOPED], 1e3 * best[MERGED])

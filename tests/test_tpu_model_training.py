@@ -312,6 +312,16 @@ def test_a_convolutional_model_evaluates_in_the_layout_it_timed_faster_with_the_
     np.testing.assert_allclose(first, want, rtol=1e-5)
     np.testing.assert_allclose(again, want, rtol=1e-5)
     np.testing.assert_allclose(out, want_out, atol=1e-5)
+    # A core's HBM is checked once per shape: not again for the trial's second layout, but for a new batch size in
+    # the layout kept.
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiled the TPU test program")]
+    assert ["HBM per core" in line for line in compiled] == [True, False]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="keras_tpu"):
+        np.testing.assert_allclose(tpu.evaluate(x, y, batch_size=24, verbose=0),
+                                   model.evaluate(x, y, batch_size=24, verbose=0), rtol=1e-5)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiled the TPU test program")]
+    assert "global batch 24" in line and "HBM per core" in line and ("cores in a loop" in line) == (faster == "looped")
 
 
 def test_a_model_with_convolutions_runs_its_cores_in_a_loop():
