@@ -979,14 +979,13 @@ class _Program:
             return
         jax.block_until_ready(result)
         chosen = self._trial.record(layout, None if compiled else (time.perf_counter() - started) / steps)
-        if chosen is not None:
-            best = self._trial.best
-            if best[LOOPED] == float("inf"):  # too short to time (see LayoutTrial)
-                self._cores_layout, self._trial = MERGED, None
-                return
+        if chosen is None:
+            return
+        best = self._trial.best
+        if best[LOOPED] != float("inf"):  # else too short to time (see LayoutTrial): merged, nothing to report
             logger.info("The TPU %s program runs its cores %s: %.0f ms per step looped, %.0f ms merged.", self.mode,
                         "in a loop" if chosen == LOOPED else "as one batch", 1e3 * best[LOOPED], 1e3 * best[MERGED])
-            self._cores_layout, self._trial = chosen, None
+        self._cores_layout, self._trial = chosen, None
 
     def _kept_copies(self, result):
         """``(outputs or logs, state)`` of a program's result; the bfloat16 copies it read, or those a training
