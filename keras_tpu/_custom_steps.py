@@ -35,7 +35,7 @@ import keras
 from jax import lax
 from keras import tree
 
-from keras_tpu import _keras_private, _pod as pod, _rewrite as rewrite, _rounded_weights
+from keras_tpu import _host as host, _keras_private, _pod as pod, _rewrite as rewrite, _rounded_weights
 from keras_tpu._logging import logger
 from keras_tpu._batching import describe_input_shapes
 from keras_tpu._cores import CORE_AXIS, REPLICATED, ProgramsInFlight, same_arrays
@@ -256,6 +256,7 @@ class _CustomProgram:
             started = time.perf_counter()
             # Compiled for a batch on the cores' device(s); later batches go to it as host arrays.
             executable = jitted.lower(state, rounded, jax.device_put(data, self.layout.replicated_sharding())).compile()
+            host.release_freed_memory()  # the compiler's scratch (see keras_tpu._host)
             self._executables[key] = executable
             rows = _rows(data)
             x = keras.utils.unpack_x_y_sample_weight(data)[0] if isinstance(data, tuple) else data

@@ -56,7 +56,7 @@ import keras
 from jax import lax
 from keras import tree
 
-from keras_tpu import _keras_private, _hbm as hbm, _pod as pod, _rewrite as rewrite, _rounded_weights
+from keras_tpu import _keras_private, _hbm as hbm, _host as host, _pod as pod, _rewrite as rewrite, _rounded_weights
 from keras_tpu._logging import logger
 from keras_tpu._batching import BatchStacker, describe_input_shapes, unstack_outputs
 from keras_tpu._cores import REPLICATED, ROWS, CoreLayout, ProgramsInFlight, same_arrays
@@ -896,6 +896,7 @@ class _Program:
         if footprint is not None:
             footprint.check()  # a program that would not fit a core's HBM fails here, as on a TPU
         executable = compiling.result()
+        host.release_freed_memory()  # the compiler's scratch: the process's peak memory stays below plain Keras'
         self._executables[key] = executable
         real = int(stacked.real_rows.max())
         padding = "" if real == self.stacker.global_batch else f", {real} real rows"

@@ -1,12 +1,18 @@
 """Eight simulated cores in the memory of one (issue #16): the replicated state exists once on this host."""
 
+import ctypes
+import ctypes.util
 import gc
+import os
+import sys
 
 import jax
 import keras
 import numpy as np
+import pytest
 
 import keras_tpu
+from keras_tpu import _host as host
 
 
 def live_bytes():
@@ -29,3 +35,43 @@ def test_training_on_eight_cores_keeps_one_copy_of_the_weights_and_optimizer_slo
     held = live_bytes() - before
     # Weights, optimizer slots and metrics once (not eight times), within 10% for the odd scalar.
     assert state <= held < 1.1 * state, (held, state)
+
+
+def resident_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or host._malloc_trim() is None, reason="glibc only")
+def test_freed_c_heap_goes_back_to_the_system():
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = [libc.malloc(8192) for _ in range(20000)]  # 160 MiB of small blocks, as a compiler's scratch
+    for block in blocks:
+        ctypes.memset(block, 1, 8192)
+    kept = blocks[::100]  # one block in each 800 KiB stays: glibc cannot shrink its heap from the top
+    for block in blocks:
+        if block not in kept:
+            libc.free(block)
+    before = resident_mib()
+    assert host.release_freed_memory()
+    after = resident_mib()
+    for block in kept:
+        libc.free(block)
+    assert before - after > 100, (before, after)
+
+
+def test_every_compile_gives_the_compilers_scratch_back(monkeypatch):
+    calls = []
+    release = host.release_freed_memory
+    monkeypatch.setattr(host, "release_freed_memory", lambda: calls.append(1) or release())
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    model.compile("sgd", "mse")
+    tpu = keras_tpu.keras_to_tpu_model(model)
+    x, y = np.ones((64, 8), "float32"), np.ones((64, 4), "float32")
+    tpu.fit(x, y, batch_size=64, verbose=0)
+    assert len(calls) == 1
+    tpu.evaluate(x, y, batch_size=64, verbose=0)
+    tpu.evaluate(x, y, batch_size=64, verbose=0)  # compiled already
+    assert len(calls) == 2
