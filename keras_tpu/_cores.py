@@ -241,7 +241,7 @@ class CoreLayout:
 
         return each_core
 
-    def value_and_grad_over_cores(self, fn, params, *per_core, has_aux=False, carry=None):
+    def value_and_grad_over_cores(self, fn, params, *per_core, has_aux=False, carry=None, value_and_grad=None):
         """``jax.value_and_grad`` of ``sum over cores of fn(params, *core's args)``, the cores run in a loop.
 
         ``per_core`` arguments carry a leading core axis (this device's cores).
@@ -258,7 +258,8 @@ class CoreLayout:
         ``(value, (aux, carry))``: a value threaded from core to core (not
         differentiated), such as a running sum that would otherwise be stacked
         over the cores and reduced after the loop. Returns ``(values, grads,
-        carry)`` then.
+        carry)`` then. ``value_and_grad``, if given, computes one core's
+        ``jax.value_and_grad(fn, has_aux=has_aux)`` (e.g. from a trace kept for reuse).
 
         Example:
             >>> layout = CoreLayout.abstract(8)
@@ -270,7 +271,15 @@ class CoreLayout:
             >>> float(grads), int(cores)
             (28.0, 8)
         """
-        value_and_grad = jax.value_and_grad(fn, has_aux=has_aux)
+        value_and_grad = value_and_grad or jax.value_and_grad(fn, has_aux=has_aux)
+        if self.cores_per_device == 1:  # one core: the same without a loop
+            stacked = lambda tree: jax.tree.map(lambda a: a[None], tree)
+            args = jax.tree.map(lambda a: a[0], per_core)
+            if carry is None:
+                values, grads = value_and_grad(params, *args)
+                return stacked(values), grads
+            (value, (aux, carry)), grads = value_and_grad(params, carry, *args)
+            return stacked((value, aux)), grads, carry
 
         if carry is None:
             def core(summed, args):

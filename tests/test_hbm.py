@@ -171,6 +171,39 @@ def test_the_compile_step_path_agrees_with_the_model_path():
     assert any(b.kind == "optimizer slot" for b in from_program.buffers)
 
 
+def test_the_estimate_at_compile_replays_the_programs_traces_and_matches_a_trace_of_its_own(monkeypatch):
+    """A convolutional model trains its cores in a loop. The per-core estimate made while XLA compiles replays
+    the core's gradient and the optimizer's update traced for the program (no second Keras trace of them), and
+    it finds what a trace of its own finds."""
+    from keras_tpu._cores import CoreLayout
+    from keras_tpu._replicated_steps import ReplicatedSteps
+
+    model = keras.Sequential([keras.Input((16, 16, 3)), layers.Conv2D(8, 3, padding="same"),
+                              layers.BatchNormalization(), layers.ReLU(), layers.Flatten(), layers.Dense(10)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.optimizer.build(model.trainable_variables)
+    spec = lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype)
+    state = tuple([spec(v) for v in part] for part in (model.trainable_variables, model.non_trainable_variables,
+                                                        model.optimizer.variables, model.metrics_variables))
+    rows = 256  # 32 per core
+    device_args = (state, (jax.ShapeDtypeStruct((rows, 1, 16, 16, 3), jnp.float32),
+                           jax.ShapeDtypeStruct((rows, 1, 1), jnp.int32), None),
+                   jax.ShapeDtypeStruct((rows, 1), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.int32))
+    steps = ReplicatedSteps(model, CoreLayout(8), accelerator_type="v2-8")
+    jax.make_jaxpr(steps._device_train, axis_env=steps.layout.axis_env())(*device_args)  # the program's trace
+    assert {key[0] for key in steps._shared_traces} == {"core gradient", "update"}
+
+    traced_again = []
+    monkeypatch.setattr(model, "compute_loss_and_updates",
+                        lambda *a, _f=model.compute_loss_and_updates, **k: traced_again.append(1) or _f(*a, **k))
+    replayed = steps.hbm_footprint("train", device_args)
+    assert traced_again == []
+    own = ReplicatedSteps(model, CoreLayout(8), accelerator_type="v2-8").hbm_footprint("train", device_args)
+    assert len(traced_again) == 1
+    assert replayed.total_bytes == own.total_bytes > 0
+    assert [b.name for b in replayed.buffers] == [b.name for b in own.buffers]
+
+
 def test_untiled_unfused_estimate_of_a_small_step_is_close_to_xla_cpu_memory_analysis():
     """XLA:CPU has no tiles; its buffer assignment of the same step is a floor for the unfused estimate."""
     model = _mlp(1024, 2)
