@@ -29,6 +29,7 @@ fast forms wherever they apply and leaves every other op alone.
 """
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -57,29 +58,43 @@ def tiled_select_and_scatter_add(source, operand, *, select_prim, window_dimensi
         raise ValueError("tiled_select_and_scatter_add needs non-overlapping, unpadded windows that tile the input.")
     shape, window = operand.shape, tuple(window_dimensions)
     blocks = tuple(size // w for size, w in zip(shape, window))
-    split = operand.reshape(tuple(x for pair in zip(blocks, window) for x in pair))
-    # Bring each window's elements together on the last axis, in row-major window order.
-    ndim = len(shape)
-    block_axes, window_axes = list(range(0, 2 * ndim, 2)), list(range(1, 2 * ndim, 2))
-    windows = jnp.transpose(split, block_axes + window_axes).reshape(blocks + (-1,))
+    # Each position in the window (row-major order) is a strided slice of the operand, one element per window:
+    # no transposes, so XLA fuses the whole gradient into one pass (the CIFAR-10 CNN's first pooling's gradient,
+    # 128 x 32 x 32 x 32: 0.9 ms against 3.9 with the window's elements gathered on a last axis and put back).
+    positions = list(itertools.product(*(range(w) for w in window)))
+    phases = [lax.slice(operand, start, tuple(s + (b - 1) * w + 1 for s, b, w in zip(start, blocks, window)), window)
+              for start in positions]
     if select_prim is lax.ge_p:
-        target = jnp.max(windows, axis=-1, keepdims=True)
+        pick = lax.max
     elif select_prim is lax.le_p:
-        target = jnp.min(windows, axis=-1, keepdims=True)
+        pick = lax.min
     else:
         raise ValueError(f"Unsupported selection {select_prim}.")
-    # The first element equal to the target wins, as XLA's select does; unrolled over the
-    # (few) window elements so that it all fuses into one elementwise pass.
+    target = functools.reduce(pick, phases)
+    # The first element equal to the target wins, as XLA's select does.
     taken = jnp.zeros(blocks, dtype=bool)
-    pieces = []
-    for k in range(windows.shape[-1]):
-        hit = (windows[..., k] == target[..., 0]) & ~taken
-        pieces.append(jnp.where(hit, source, jnp.zeros((), source.dtype)))
+    pieces = {}
+    for start, phase in zip(positions, phases):
+        hit = (phase == target) & ~taken
+        pieces[start] = jnp.where(hit, source, jnp.zeros((), source.dtype))
         taken = taken | hit
-    scattered = jnp.stack(pieces, axis=-1)
-    scattered = scattered.reshape(blocks + window)
-    inverse = np.argsort(block_axes + window_axes)
-    return jnp.transpose(scattered, tuple(inverse)).reshape(shape)
+    return _interleaved(pieces, window)
+
+
+def _interleaved(pieces, window):
+    """The array whose elements at ``start + window * i`` are ``pieces[start][i]`` (the inverse of slicing
+    every window position), built one axis at a time by stacking next to it: no transposes."""
+    for axis, w in enumerate(window):
+        if w == 1:
+            continue
+        along = {}
+        for start, piece in pieces.items():
+            along.setdefault(start[:axis] + (0,) + start[axis + 1:], [None] * w)[start[axis]] = piece
+        pieces = {}
+        for start, parts in along.items():
+            stacked = jnp.stack(parts, axis=axis + 1)
+            pieces[start] = stacked.reshape(stacked.shape[:axis] + (-1,) + stacked.shape[axis + 2:])
+    return pieces[(0,) * len(window)]
 
 
 @functools.lru_cache(maxsize=256)

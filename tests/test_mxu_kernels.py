@@ -483,3 +483,53 @@ def test_compiler_options_keep_bf16_dots_on_ynnpack_where_the_table_picks_them(m
     # The native forms the "bf16" table picks are only fast as YNNPACK dots.
     if bf16_host:
         assert "__ynn" in dot_text
+
+
+FEW_OUTPUT_CASES = {
+    "rgb_same": ((2, 9, 9, 8), (3, 3, 8, 3), dict(window_strides=(1, 1), padding="SAME",
+                                                  dimension_numbers=("NHWC", "HWIO", "NHWC"))),
+    "gray_valid_7x7": ((2, 12, 11, 16), (7, 7, 16, 1), dict(window_strides=(1, 1), padding="VALID",
+                                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))),
+    "uneven_padding_nchw": ((2, 6, 8, 7), (2, 6, 3, 2), dict(window_strides=(1, 1), padding=((2, 0), (1, 3)),
+                                                             dimension_numbers=("NCHW", "OIHW", "NCHW"))),
+    "conv1d": ((2, 30, 8), (5, 8, 3), dict(window_strides=(1,), padding="SAME",
+                                           dimension_numbers=("NWC", "WIO", "NWC"))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FEW_OUTPUT_CASES))
+def test_output_taps_form_runs_few_output_convolutions_as_one_product(rng, case):
+    lhs_shape, rhs_shape, kwargs = FEW_OUTPUT_CASES[case]
+    op = _conv(kwargs)
+    a, b = integers(rng, lhs_shape), integers(rng, rhs_shape)
+    with kernels.use_form(kernels.OUTPUT_TAPS):
+        text = jax.jit(mxu.route(op)).lower(a, b).as_text()
+    assert "stablehlo.convolution" not in text and "stablehlo.dot_general" in text
+    np.testing.assert_array_equal(np.asarray(routed(op, kernels.OUTPUT_TAPS)(a, b)), f64(op, a, b))
+
+
+def test_the_input_gradient_of_a_layer_reading_rgb_images_is_one_product():
+    """A first convolution after a BatchNormalization of the images needs its input's gradient: 3 outputs."""
+    lhs_shape, rhs_shape = (2, 9, 9, 3), (3, 3, 3, 8)
+    op = _conv(dict(window_strides=(1, 1), padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")))
+    x, w = np.ones(lhs_shape, np.float32), np.ones(rhs_shape, np.float32)
+    input_grad = lambda x, w: jax.grad(lambda x: jnp.sum(op(x, w) ** 2))(x)
+    with kernels.use_form(kernels.OUTPUT_TAPS):
+        text = jax.jit(mxu.route(input_grad)).lower(x, w).as_text()
+    assert text.count("stablehlo.convolution") == 1   # the forward one: 8 outputs, stays a convolution
+    assert kernels.builtin_choice("bf16", "conv", "input_grad", (1, 2 * 81, 72, 3)) == kernels.OUTPUT_TAPS
+
+
+def test_bf16_host_table_takes_output_taps_only_for_three_outputs_or_fewer():
+    choice = lambda layout, gemm: kernels.builtin_choice("bf16", "conv", layout, gemm)
+    assert choice("forward", (1, 131072, 288, 3)) == kernels.OUTPUT_TAPS
+    assert choice("input_grad", (1, 131072, 288, 1)) == kernels.OUTPUT_TAPS
+    assert choice("forward", (1, 131072, 288, 4)) == kernels.ROUND_F32      # measured slower, erratic
+    assert choice("weight_grad", (1, 27, 131072, 3)) == kernels.ROUND_F32
+    assert choice("forward", (128, 65536, 9, 1)) == kernels.TAPS           # depthwise: taps first
+    assert kernels.builtin_choice("no_bf16", "conv", "forward", (1, 131072, 288, 3)) == kernels.ROUND_F32
+    # More than 49 columns (taps times outputs) are left to XLA's convolution even when forced.
+    op = _conv(dict(window_strides=(1, 1), padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")))
+    a, b = np.ones((1, 8, 8, 4), np.float32), np.ones((5, 5, 4, 3), np.float32)
+    with kernels.use_form(kernels.OUTPUT_TAPS):
+        assert "stablehlo.convolution" in jax.jit(mxu.route(op)).lower(a, b).as_text()

@@ -22,6 +22,11 @@ the float32 additions):
     convolution and its input gradient) as a float32 sum over the window's
     taps of elementwise products of bf16-valued float32 operands (exact);
     ``round_f32`` for any other convolution.
+``output_taps`` (convolutions only)
+    a convolution with few output features (stride 1, no dilation or
+    groups) as one float32 product of the input's rows with every tap's
+    kernel at once (``M x K x taps*N``), each tap's columns then summed at
+    their shifted positions; ``round_f32`` for any other convolution.
 
 Which is fastest depends on the host, the op's layout and shape, and the
 XLA:CPU options: a bf16 dot is fast only where XLA hands it to YNNPACK
@@ -119,8 +124,12 @@ entry a form or a :class:`ShapeRule` (a form above a shape threshold,
   N >= 64 and K >= 16 (as fast as ``bf16_canonical`` alone, faster in a
   training step, see the table's comment); ``round_f32`` for other dots; ``taps`` for convolutions of
   at least 8 groups of at most 4 output features each in the forward and
-  input-gradient layouts (:class:`GroupedRule`), ``round_f32`` for other
-  convolutions. The dot figures assume YNNPACK dots, which
+  input-gradient layouts (:class:`GroupedRule`), ``output_taps`` for
+  ungrouped ones of at most 3 output features in those layouts
+  (:class:`FewOutputsRule`: the input gradient of a first layer reading RGB
+  images ran 2.5-3x faster, the CIFAR-10 CNN's train step 751-759 -> 670-720
+  ms with the pooling gradient of :mod:`keras_tpu._vector_unit`),
+  ``round_f32`` for other convolutions. The dot figures assume YNNPACK dots, which
   :func:`compiler_options` keeps on (and YNNPACK convolutions off) in every
   program on such hosts. (``taps`` would likely pay on ``"no_bf16"`` hosts
   too, as the slow grouped convolution is XLA's, but it was not measured
@@ -160,10 +169,11 @@ BF16_CANONICAL = "bf16_canonical"
 BF16_SWAPPED = "bf16_swapped"
 
 TAPS = "taps"
+OUTPUT_TAPS = "output_taps"
 
 DOT_FORMS = (ROUND_F32, BF16, BF16_CANONICAL, BF16_SWAPPED)
-CONV_FORMS = (ROUND_F32, BF16, BF16_CANONICAL, TAPS)
-ALL_FORMS = DOT_FORMS + (TAPS,)
+CONV_FORMS = (ROUND_F32, BF16, BF16_CANONICAL, TAPS, OUTPUT_TAPS)
+ALL_FORMS = DOT_FORMS + (TAPS, OUTPUT_TAPS)
 NATIVE_FORMS = (BF16, BF16_CANONICAL, BF16_SWAPPED)
 
 #: Layouts. A dot is "forward" when lhs is ``[batch, free, contracting]`` and
@@ -209,6 +219,38 @@ class ShapeRule:
 
 
 @dataclasses.dataclass(frozen=True)
+class FewOutputsRule:
+    """``output_taps`` for an ungrouped convolution of at most ``max_n`` output features, else ``round_f32``.
+
+    XLA:CPU (Eigen's convolution: YNNPACK's takes no convolution of 16
+    channels or fewer) runs such a convolution far below its rate at wide
+    outputs; the input gradient of a first layer reading RGB images (32 ->
+    3 features, 3x3, batch 128 at 32x32) took 5.3-6.3 ms per core, 1.8-2.1
+    as ``output_taps``. Measured here, b128 unless noted, ms ``round_f32`` /
+    ``output_taps`` (training options; inference options in brackets):
+    32->3 3x3 5.3 / 1.8 (2.6 / 1.9), 64->3 3x3 11.6 / 2.9 (23.5 / 3.1),
+    128->3 3x3 24.6 / 5.1 (43.7 / 5.3), 16x16 64->3 2.2 / 0.5 (1.2 / 0.6),
+    32->2 3x3 5.7 / 1.3 (2.5 / 1.2), 32->1 3x3 3.7 / 0.8 (3.1 / 0.9), 64->1
+    5x5 15.6 / 2.8 (28.9 / 2.8), 14x14 128->1 7x7 8.1 / 1.3 (10.0 / 1.4),
+    3->3 3x3 2.3 / 1.2 (2.3 / 1.2). Wider outputs lose, and erratically
+    (XLA:CPU's product of 36-80 columns ran 1-12 ms): 32->4 3x3 6.3 / 2.6
+    (2.9 / 12.0), 32->8 3x3 5.2 / 23.4, 32->2 5x5 14.9 / 16.0, 64->3 5x5
+    14.3 / 15.2 (5.8 / 11.3); so the form covers at most
+    :data:`OUTPUT_TAPS_MAX_COLUMNS` columns of taps times outputs.
+
+    Example:
+        >>> FewOutputsRule()((1, 131072, 288, 3)), FewOutputsRule()((1, 131072, 288, 32))
+        ('output_taps', 'round_f32')
+    """
+
+    max_n: int = 3
+
+    def __call__(self, gemm):
+        groups, _, _, n = gemm
+        return OUTPUT_TAPS if groups == 1 and n <= self.max_n else ROUND_F32
+
+
+@dataclasses.dataclass(frozen=True)
 class GroupedRule:
     """``taps`` for a grouped convolution with at least ``min_groups`` groups of at most ``max_n``
     output features each (a depthwise convolution and its input gradient), else ``round_f32``.
@@ -227,6 +269,25 @@ class GroupedRule:
     def __call__(self, gemm):
         groups, _, _, n = gemm
         return TAPS if groups >= self.min_groups and n <= self.max_n else ROUND_F32
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstMatch:
+    """The first of ``rules`` that picks a form other than ``round_f32``.
+
+    Example:
+        >>> FirstMatch((GroupedRule(), FewOutputsRule()))((1, 131072, 288, 3))
+        'output_taps'
+    """
+
+    rules: tuple
+
+    def __call__(self, gemm):
+        for rule in self.rules:
+            form = rule(gemm)
+            if form != ROUND_F32:
+                return form
+        return ROUND_F32
 
 
 # Best form per (kind, layout) and host class: a form, or a ShapeRule choosing by the GEMM's
@@ -253,8 +314,8 @@ BUILTIN_TABLES = {
         # own train_step at batch 64 0.95x -> 1.02-1.07x, the 784-512-512-10 MLP at batch 32 0.93-0.96x -> 1.01x,
         # the zoo's MLP 1.80x -> 1.90x; the zoo's other models and users' code choose the same forms as before.
         ("dot", "lhs_transposed"): ShapeRule(BF16_SWAPPED, min_k=16, min_n=64),
-        ("conv", "forward"): GroupedRule(),
-        ("conv", "input_grad"): GroupedRule(),
+        ("conv", "forward"): FirstMatch((GroupedRule(), FewOutputsRule())),
+        ("conv", "input_grad"): FirstMatch((GroupedRule(), FewOutputsRule())),
     },
 }
 
@@ -463,7 +524,7 @@ def builtin_choice(host, kind, layout, gemm):
 
 def operand_dtype(form):
     """The dtype a form's operands are given in (``multipass`` splits into it)."""
-    return jnp.float32 if form in (ROUND_F32, TAPS) else jnp.bfloat16
+    return jnp.float32 if form in (ROUND_F32, TAPS, OUTPUT_TAPS) else jnp.bfloat16
 
 
 # ----------------------------------------------------------------------------- forms
@@ -685,11 +746,12 @@ def conv_pass(lhs, rhs, geometry, form):
     rhs_dilation, dimension_numbers (a ``ConvDimensionNumbers``),
     feature_group_count and batch_group_count.
     """
-    if form == TAPS:
-        out = _taps_conv(lhs.astype(jnp.float32), rhs.astype(jnp.float32), **geometry)
+    if form in (TAPS, OUTPUT_TAPS):
+        summed = _taps_conv if form == TAPS else _output_taps_conv
+        out = summed(lhs.astype(jnp.float32), rhs.astype(jnp.float32), **geometry)
         if out is not None:
             return out
-        form = ROUND_F32   # not a shape the taps form covers
+        form = ROUND_F32   # not a shape the form covers
     if form == ROUND_F32:
         if conv_layout(geometry["dimension_numbers"]) != "forward":
             # Autodiff's gradient convolutions, stated in NHWC / HWIO: XLA:CPU's own canonicalisation reaches
@@ -744,6 +806,55 @@ def _taps_conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, di
         term = piece[..., :, None] * rhs[tap][0].reshape(groups, multiplier)           # exact products
         total = term if total is None else total + term
     out = total.reshape(total.shape[:-2] + (out_features,))
+    inverse = [0] * (s + 2)      # out is (N, spatial..., C): put each axis where dimension_numbers wants it
+    for position, dim in enumerate(out_perm):
+        inverse[dim] = position
+    return _transpose(out, inverse)
+
+
+#: The most columns (window taps times output features) of ``output_taps``' product (see FewOutputsRule).
+OUTPUT_TAPS_MAX_COLUMNS = 49
+
+
+def _output_taps_conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+                      feature_group_count, batch_group_count):
+    """A convolution with few output features, of bf16-valued float32 operands, as one product and a sum.
+
+    ``out[n, o, c] = sum over taps t of P[t, c, n, o + t - pad]`` with
+    ``P[t, c, n, i] = sum over f of kernel[t, f, c] * input[n, i, f]``: one
+    float32 product of exact bf16 products (``taps * outputs`` rows), then
+    every tap's rows added at their shifted positions (zero beyond the
+    input). Covers stride 1 without dilation or groups, and at most
+    :data:`OUTPUT_TAPS_MAX_COLUMNS` taps times outputs; returns ``None`` for
+    anything else. Only the order of the float32 sums differs from the MXU's.
+    """
+    lhs_perm, rhs_perm, out_perm = _conv_canonical_perms(dimension_numbers)
+    if feature_group_count != 1 or batch_group_count != 1 or \
+            any(d != 1 for d in (*window_strides, *lhs_dilation, *rhs_dilation)):
+        return None
+    lhs, rhs = lax.transpose(lhs, lhs_perm), lax.transpose(rhs, rhs_perm)   # N, S..., F and S..., F, C
+    s = lhs.ndim - 2
+    window, features, outputs = rhs.shape[:s], rhs.shape[s], rhs.shape[s + 1]
+    taps = math.prod(window)
+    out_spatial = [size + lo + hi - w + 1 for size, (lo, hi), w in zip(lhs.shape[1:-1], padding, window)]
+    if taps * outputs > OUTPUT_TAPS_MAX_COLUMNS or min(out_spatial) < 1:
+        return None
+    kernel = jnp.moveaxis(rhs.reshape(taps, features, outputs), 1, 2).reshape(taps * outputs, features)
+    rows = lhs.reshape(-1, features)
+    # Tap-major rows, each a whole image plane: the shifted sums read contiguous runs. The barrier keeps XLA
+    # from fusing the slices into the product (which then ran 3-6x slower).
+    products = lax.optimization_barrier(lax.dot_general(kernel, rows, (((1,), (1,)), ((), ())),
+                                                        precision=lax.Precision.HIGHEST))
+    products = products.reshape((taps, outputs, lhs.shape[0]) + lhs.shape[1:-1])
+    products = lax.pad(products, jnp.zeros((), products.dtype),
+                       [(0, 0, 0)] * 3 + [(lo, hi, 0) for lo, hi in padding])   # negative padding crops
+    total = None
+    for t, tap in enumerate(_positions(window)):
+        start = (t, 0, 0) + tap
+        limit = (t + 1, outputs, lhs.shape[0]) + tuple(o + i for o, i in zip(out_spatial, tap))
+        term = lax.slice(products, start, limit)[0]                                  # C, N, S'...
+        total = term if total is None else total + term
+    out = jnp.moveaxis(total, 0, -1)                                                # N, S'..., C
     inverse = [0] * (s + 2)      # out is (N, spatial..., C): put each axis where dimension_numbers wants it
     for position, dim in enumerate(out_perm):
         inverse[dim] = position
