@@ -494,6 +494,8 @@ FEW_OUTPUT_CASES = {
                                                              dimension_numbers=("NCHW", "OIHW", "NCHW"))),
     "conv1d": ((2, 30, 8), (5, 8, 3), dict(window_strides=(1,), padding="SAME",
                                            dimension_numbers=("NWC", "WIO", "NWC"))),
+    "cropping_padding": ((2, 9, 8, 5), (3, 3, 5, 2), dict(window_strides=(1, 1), padding=((-1, 2), (0, -1)),
+                                                          dimension_numbers=("NHWC", "HWIO", "NHWC"))),
 }
 
 
