@@ -693,7 +693,8 @@ class ReplicatedSteps:
             (_, (unscaled, y_pred, new_non_trainable)), grads = jax.value_and_grad(device_loss, has_aux=True)(
                 trainable)
         elif looped:  # each core's forward and backward pass in turn
-            def core_loss_combining(trainable, combined, x, y, loss_weight, core_id, share, replicated):
+            def core_loss_combining(trainable, combined, x, y, loss_weight, core_id, share,
+                                    replicated=(non_trainable, metrics_values, optimizer_values)):
                 non_trainable, metrics_values, optimizer_values = replicated
                 loss, (unscaled, y_pred, new_non_trainable) = core_loss(trainable, x, y, loss_weight, core_id,
                                                                         non_trainable, metrics_values,
@@ -701,7 +702,7 @@ class ReplicatedSteps:
                 return loss, ((unscaled, y_pred), self._add_core_share(non_trainable, combined, new_non_trainable,
                                                                        share))
 
-            def core_value_and_grad(trainable, combined, *core_args):  # the state's other parts as arguments
+            def core_value_and_grad(trainable, combined, *core_args):  # the rest of the state passed, not captured
                 return self._traced_once("core gradient", jax.value_and_grad(core_loss_combining, has_aux=True),
                                          trainable, combined, *core_args,
                                          (non_trainable, metrics_values, optimizer_values))
