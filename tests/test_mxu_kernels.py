@@ -535,3 +535,20 @@ def test_bf16_host_table_takes_output_taps_only_for_three_outputs_or_fewer():
     a, b = np.ones((1, 8, 8, 4), np.float32), np.ones((5, 5, 4, 3), np.float32)
     with kernels.use_form(kernels.OUTPUT_TAPS):
         assert "stablehlo.convolution" in jax.jit(mxu.route(op)).lower(a, b).as_text()
+
+
+@pytest.mark.parametrize("precision", ["default", "high", "highest"])
+def test_output_taps_form_keeps_the_passes_of_each_precision(rng, precision):
+    lhs_shape, rhs_shape, kwargs = FEW_OUTPUT_CASES["rgb_same"]
+    op = _conv(kwargs)
+    a = rng.standard_normal(lhs_shape).astype(np.float32)
+    b = rng.standard_normal(rhs_shape).astype(np.float32)
+    got = np.asarray(routed(op, kernels.OUTPUT_TAPS, precision)(a, b), np.float64)
+    fallback = np.asarray(routed(op, kernels.ROUND_F32, precision)(a, b), np.float64)
+    scale = f64(op, np.abs(a), np.abs(b))
+    assert np.all(np.abs(got - fallback) <= 2 * 72 * 2.0**-24 * scale + 1e-30)   # same passes, other sum order
+    exact = f64(op, a, b)
+    error = {"default": 2.0**-8, "high": 2.0**-15, "highest": 2.0**-21}[precision]
+    assert np.abs(got - exact).max() <= error * scale.max()
+    if precision == "default":
+        assert np.abs(got - exact).max() > 2.0**-16 * scale.max()   # bf16 products, not float32 ones
