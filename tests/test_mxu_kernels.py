@@ -431,16 +431,23 @@ def test_taps_form_sums_depthwise_convolutions_without_xla_convolutions(rng, cas
     np.testing.assert_array_equal(np.asarray(routed(op, kernels.TAPS)(a, b)), f64(op, a, b))
 
 
-@pytest.mark.parametrize("precision", ["default", "highest"])
-def test_taps_form_rounds_inputs_to_bfloat16_and_keeps_multipass_precision(rng, precision):
-    lhs_shape, rhs_shape, kwargs = CONV_CASES["depthwise_dilated"]
+def _against_round_f32(rng, case, form, precision, products):
+    """``(op, a, b, got, scale)``: a summed form of ``case`` on random operands, checked against ``round_f32``
+    at ``precision`` (the same passes, ``products`` per output summed in another order)."""
+    lhs_shape, rhs_shape, kwargs = case
     op = _conv(kwargs)
     a = rng.standard_normal(lhs_shape).astype(np.float32)
     b = rng.standard_normal(rhs_shape).astype(np.float32)
-    got = np.asarray(routed(op, kernels.TAPS, precision)(a, b), np.float64)
+    got = np.asarray(routed(op, form, precision)(a, b), np.float64)
     fallback = np.asarray(routed(op, kernels.ROUND_F32, precision)(a, b), np.float64)
     scale = f64(op, np.abs(a), np.abs(b))
-    assert np.all(np.abs(got - fallback) <= 2 * 6 * 2.0**-24 * scale + 1e-30)   # same passes, other sum order
+    assert np.all(np.abs(got - fallback) <= 2 * products * 2.0**-24 * scale + 1e-30)
+    return op, a, b, got, scale
+
+
+@pytest.mark.parametrize("precision", ["default", "highest"])
+def test_taps_form_rounds_inputs_to_bfloat16_and_keeps_multipass_precision(rng, precision):
+    op, a, b, got, _ = _against_round_f32(rng, CONV_CASES["depthwise_dilated"], kernels.TAPS, precision, 6)
     if precision == "default":
         reference = f64(op, bf16(a), bf16(b))
         _assert_close_to_rounded_reference(got, reference, f64(op, np.abs(bf16(a)), np.abs(bf16(b))), 6)
@@ -539,14 +546,7 @@ def test_bf16_host_table_takes_output_taps_only_for_three_outputs_or_fewer():
 
 @pytest.mark.parametrize("precision", ["default", "high", "highest"])
 def test_output_taps_form_keeps_the_passes_of_each_precision(rng, precision):
-    lhs_shape, rhs_shape, kwargs = FEW_OUTPUT_CASES["rgb_same"]
-    op = _conv(kwargs)
-    a = rng.standard_normal(lhs_shape).astype(np.float32)
-    b = rng.standard_normal(rhs_shape).astype(np.float32)
-    got = np.asarray(routed(op, kernels.OUTPUT_TAPS, precision)(a, b), np.float64)
-    fallback = np.asarray(routed(op, kernels.ROUND_F32, precision)(a, b), np.float64)
-    scale = f64(op, np.abs(a), np.abs(b))
-    assert np.all(np.abs(got - fallback) <= 2 * 72 * 2.0**-24 * scale + 1e-30)   # same passes, other sum order
+    op, a, b, got, scale = _against_round_f32(rng, FEW_OUTPUT_CASES["rgb_same"], kernels.OUTPUT_TAPS, precision, 72)
     exact = f64(op, a, b)
     error = {"default": 2.0**-8, "high": 2.0**-15, "highest": 2.0**-21}[precision]
     assert np.abs(got - exact).max() <= error * scale.max()

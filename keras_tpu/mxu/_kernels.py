@@ -658,6 +658,19 @@ def dot_pass(lhs, rhs, dimension_numbers, form):
     raise ValueError(f"Unknown dot form {form!r}.")
 
 
+def _inverse(perm):
+    """The permutation that undoes ``perm``.
+
+    Example:
+        >>> _inverse((0, 3, 1, 2))
+        (0, 2, 3, 1)
+    """
+    inverse = [0] * len(perm)
+    for position, dim in enumerate(perm):
+        inverse[dim] = position
+    return tuple(inverse)
+
+
 def _conv_canonical_perms(dimension_numbers):
     lspec, rspec, ospec = dimension_numbers
     lhs_perm = (lspec[0],) + tuple(lspec[2:]) + (lspec[1],)       # N, spatial..., C
@@ -684,9 +697,7 @@ def _canonical_conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilatio
     out = lax.conv_general_dilated(transpose(lhs, lhs_perm), transpose(rhs, rhs_perm), window_strides, padding,
                                    lhs_dilation, rhs_dilation, canonical, feature_group_count, batch_group_count,
                                    precision=precision, preferred_element_type=jnp.float32)
-    inverse = [0] * (s + 2)      # out is (N, spatial..., C): put each axis where dimension_numbers wants it
-    for position, dim in enumerate(out_perm):
-        inverse[dim] = position
+    inverse = _inverse(out_perm)    # out is (N, spatial..., C): put each axis where dimension_numbers wants it
     return _transpose(_barrier_unless_identity(out, inverse) if materialize else out, inverse)
 
 
@@ -806,9 +817,7 @@ def _taps_conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, di
         term = piece[..., :, None] * rhs[tap][0].reshape(groups, multiplier)           # exact products
         total = term if total is None else total + term
     out = total.reshape(total.shape[:-2] + (out_features,))
-    inverse = [0] * (s + 2)      # out is (N, spatial..., C): put each axis where dimension_numbers wants it
-    for position, dim in enumerate(out_perm):
-        inverse[dim] = position
+    inverse = _inverse(out_perm)    # out is (N, spatial..., C): put each axis where dimension_numbers wants it
     return _transpose(out, inverse)
 
 
@@ -855,9 +864,7 @@ def _output_taps_conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilat
         term = lax.slice(products, start, limit)[0]                                  # C, N, S'...
         total = term if total is None else total + term
     out = jnp.moveaxis(total, 0, -1)                                                # N, S'..., C
-    inverse = [0] * (s + 2)      # out is (N, spatial..., C): put each axis where dimension_numbers wants it
-    for position, dim in enumerate(out_perm):
-        inverse[dim] = position
+    inverse = _inverse(out_perm)    # out is (N, spatial..., C): put each axis where dimension_numbers wants it
     return _transpose(out, inverse)
 
 
