@@ -232,10 +232,7 @@ class _CustomProgram:
 
                 def step_fn(state, _no_copies, data):
                     return device_step(state, data)
-            # The XLA:CPU options of the replicated programs (keras_tpu.mxu._kernels.compiler_options): with
-            # XLA's defaults YNNPACK ran a DCGAN's per-core weight-gradient convolutions ~10x slower.
-            jitted = jax.jit(rewrite.transform(step_fn, self._rule), donate_argnums=(0, 1) if copies and train else 0,
-                             compiler_options=kernels.compiler_options(self.mode) or None)
+            jitted = jax.jit(rewrite.transform(step_fn, self._rule), donate_argnums=(0, 1) if copies and train else 0)
             self._jitted[(cores, copies)] = jitted
         return jitted
 
@@ -255,7 +252,10 @@ class _CustomProgram:
         if executable is None:
             started = time.perf_counter()
             # Compiled for a batch on the cores' device(s); later batches go to it as host arrays.
-            executable = jitted.lower(state, rounded, jax.device_put(data, self.layout.replicated_sharding())).compile()
+            traced = jitted.trace(state, rounded, jax.device_put(data, self.layout.replicated_sharding()))
+            # The XLA:CPU options of the replicated programs (keras_tpu.mxu._kernels.compiler_options): with
+            # XLA's defaults YNNPACK ran a DCGAN's per-core weight-gradient convolutions ~10x slower.
+            executable = traced.lower().compile(kernels.compiler_options(self.mode, traced.jaxpr) or None)
             host.release_freed_memory()  # the compiler's scratch (see keras_tpu._host)
             self._executables[key] = executable
             rows = _rows(data)

@@ -69,13 +69,6 @@ from keras_tpu._vector_unit import vector_unit_rule
 # Golden-ratio stride separating the per-core random streams of a seed generator.
 SEED_STRIDE = 0x9E3779B1
 
-# XLA:CPU options per program, per host class (keras_tpu.mxu._kernels.compiler_options): on hosts
-# without bf16 dot instructions YNNPACK is off for training (its weight-gradient convolutions are
-# several times slower there) and on for inference; on bf16 hosts YNNPACK runs the dots only, where
-# the native bf16 forms the kernel table chooses are fast (benchmarks/mxu_kernels.py).
-XLA_CPU_OPTIONS = {mode: kernels.compiler_options(mode) for mode in ("train", "test", "predict")}
-
-
 #: How an inference program whose rows are independent lays a device's cores (see ReplicatedSteps._cores_merged):
 #: all their rows as one batch, or core by core in a loop.
 MERGED, LOOPED = "merged", "looped"
@@ -889,7 +882,7 @@ class _Program:
         self._jitted[key] = jax.jit(
             self.layout.per_device(rewrite.transform(step_fn, self.builder.rule),
                                    in_specs=(REPLICATED, REPLICATED) + self._ARGUMENT_SPECS[1:], out_specs=outputs),
-            donate_argnums=(0, 1) if len(outputs) == 3 else 0, compiler_options=XLA_CPU_OPTIONS[self.mode] or None)
+            donate_argnums=(0, 1) if len(outputs) == 3 else 0)
         return self._jitted[key]
 
     def _place(self, state, stacked, returned):
@@ -927,7 +920,9 @@ class _Program:
         started = time.perf_counter()
         # XLA compiles without holding the GIL, so the per-core HBM estimate (a Python trace of one
         # core's step) runs meanwhile: ResNet-20's first step is ready 0.7 s sooner.
-        compiling = _COMPILER.submit(self._program(self._reads_copies, layout).lower(*args).compile)
+        traced = self._program(self._reads_copies, layout).trace(*args)
+        # XLA:CPU's options on this host, for this kind of program (see keras_tpu.mxu._kernels.compiler_options).
+        compiling = _COMPILER.submit(traced.lower().compile, kernels.compiler_options(self.mode, traced.jaxpr) or None)
         # A TPU keeps no bf16 copies. One core's step needs the same HBM in either layout: checked once per shape.
         checked = any(signature + (other,) in self._executables for other in (MERGED, LOOPED))
         footprint = None if checked else self.builder.hbm_footprint(self.mode, (args[0],) + args[2:])

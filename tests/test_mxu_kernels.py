@@ -20,6 +20,7 @@ from jax import lax
 
 from keras_tpu import mxu
 from keras_tpu.mxu import _kernels as kernels
+from tests.tpu_helpers import written_shapes
 
 DOT_CASES = {
     # name: (lhs shape, rhs shape, dimension numbers)
@@ -552,3 +553,47 @@ def test_output_taps_form_keeps_the_passes_of_each_precision(rng, precision):
     assert np.abs(got - exact).max() <= error * scale.max()
     if precision == "default":
         assert np.abs(got - exact).max() > 2.0**-16 * scale.max()   # bf16 products, not float32 ones
+
+
+_IMAGES, _KERNEL = jnp.ones((2, 8, 8, 4)), jnp.ones((3, 3, 4, 4))
+_CONVOLVE = lambda x, k: lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+_POOL = lambda x: lax.reduce_window(x, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+_MEAN = lambda x: jnp.mean(x, axis=(1, 2))
+
+
+def test_has_windows_finds_convolutions_and_poolings_wherever_they_are():
+    in_a_loop = lambda x: lax.scan(lambda total, image: (total + _POOL(image[None]).sum(), None), 0.0, x)[0]
+    assert kernels.has_windows(jax.make_jaxpr(_CONVOLVE)(_IMAGES, _KERNEL))
+    assert kernels.has_windows(jax.make_jaxpr(mxu.route(_CONVOLVE))(_IMAGES, _KERNEL))   # on the MXU
+    assert kernels.has_windows(jax.make_jaxpr(_POOL)(_IMAGES))
+    assert kernels.has_windows(jax.make_jaxpr(jax.grad(lambda x: _POOL(x).sum()))(_IMAGES))
+    assert kernels.has_windows(jax.make_jaxpr(in_a_loop)(_IMAGES))
+    assert not kernels.has_windows(jax.make_jaxpr(_MEAN)(_IMAGES))
+    assert not kernels.has_windows(jax.make_jaxpr(mxu.route(lambda a, b: jnp.tanh(a @ b)))(jnp.ones((4, 4)),
+                                                                                      jnp.ones((4, 4))))
+
+
+def test_only_inference_without_windows_on_a_bf16_host_changes_its_options(monkeypatch):
+    monkeypatch.setattr(kernels, "host_class", lambda: "bf16")
+    plain, pooled = jax.make_jaxpr(_MEAN)(_IMAGES), jax.make_jaxpr(_POOL)(_IMAGES)
+    for mode in ("test", "predict"):
+        assert kernels.compiler_options(mode, plain) == {
+            "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+        assert kernels.compiler_options(mode, pooled) == kernels.compiler_options(mode) == {}
+    assert kernels.compiler_options("train", plain) == kernels.compiler_options("train", pooled) == \
+        kernels.compiler_options("train")
+    monkeypatch.setattr(kernels, "host_class", lambda: "no_bf16")   # measured on bf16 hosts only
+    assert kernels.compiler_options("test", plain) == {}
+
+
+def test_an_embedding_lookup_fuses_with_its_pooling_in_inference_without_windows(monkeypatch):
+    # The embedding model's evaluation: with YNNPACK reductions the looked-up rows (256 x 32 x 64) are written
+    # out for YNNPACK's sum; without, XLA sums them as it looks them up.
+    monkeypatch.setattr(kernels, "host_class", lambda: "bf16")
+    table, ids = jnp.ones((1000, 64)), jnp.zeros((256, 32), jnp.int32)
+    lookup_mean = lambda t, i: jnp.mean(jnp.take(t, i, axis=0), axis=1) @ jnp.ones((64, 16))
+    traced = jax.jit(lookup_mean).trace(table, ids)
+    fused = traced.lower().compile(kernels.compiler_options("test", traced.jaxpr) or None).as_text()
+    with_ynnpack_sum = traced.lower().compile(kernels.compiler_options("test") or None).as_text()
+    assert "f32[256,32,64]" in written_shapes(with_ynnpack_sum)
+    assert "f32[256,32,64]" not in written_shapes(fused)

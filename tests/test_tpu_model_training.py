@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import keras_tpu
-from tests.tpu_helpers import assert_weights_close, classification_data, compiled_programs, on_tpu, small_classifier
+from tests.tpu_helpers import (assert_weights_close, classification_data, compiled_programs, on_tpu, small_classifier,
+                               written_shapes)
 
 
 def test_refuses_what_is_not_a_keras_model():
@@ -271,6 +272,29 @@ def test_a_layout_trial_keeps_the_faster_layout_and_merged_unless_looped_is_clea
     # A step of a few milliseconds cannot be timed reliably: merged after its first run.
     result, trial = chosen([0.004], [])
     assert result == MERGED and trial.best[LOOPED] == float("inf")
+
+
+def test_an_embedding_model_evaluates_with_its_lookup_summed_as_it_is_looked_up(monkeypatch):
+    # Inference programs without windows keep their reductions out of YNNPACK (keras_tpu.mxu._kernels
+    # .compiler_options): the looked-up rows are pooled as they are read, never written out.
+    from keras_tpu._placement import installed_on
+    from keras_tpu.mxu import _kernels as kernels
+
+    monkeypatch.setattr(kernels, "host_class", lambda: "bf16")   # the host class these options were measured on
+    keras.utils.set_random_seed(0)
+    layers = keras.layers
+    model = keras.Sequential([keras.Input((32,), dtype="int32"), layers.Embedding(1000, 64),
+                              layers.GlobalAveragePooling1D(), layers.Dense(2, activation="softmax")])
+    model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 1000, (512, 32)).astype("int32"), rng.integers(0, 2, (512, 1))
+    want = model.evaluate(x, y, batch_size=256, verbose=0)
+    tpu = on_tpu(model, "highest")
+    np.testing.assert_allclose(tpu.evaluate(x, y, batch_size=256, verbose=0), want, rtol=1e-5)
+    (executable,) = installed_on(tpu).steps.last_programs["test"]._executables.values()
+    written = written_shapes(executable.as_text())
+    assert "f32[256,32,64]" not in written and "f32[256,1,32,64]" not in written
+    assert "f32[256,64]" in written or "f32[256,1,64]" in written   # the pooled rows
 
 
 @pytest.mark.parametrize("faster", ["looped", "merged"])

@@ -74,3 +74,9 @@ def record_weight_copies(monkeypatch):
     monkeypatch.setattr(_rounded_weights, "round_weights", recording)
     return copied
 
+
+def written_shapes(compiled_text):
+    """The shapes of the values the entry computation of an optimised HLO module (``Compiled.as_text()``)
+    writes out, e.g. ``["f32[256,64]", ...]``."""
+    entry = compiled_text[compiled_text.index("\nENTRY"):]
+    return re.findall(r"^\s*(?:ROOT )?%\S+ = (\w+\[[\d,]*\])", entry, flags=re.M)

@@ -163,6 +163,8 @@ import os
 import jax.numpy as jnp
 from jax import lax
 
+from keras_tpu import _rewrite as rewrite
+
 ROUND_F32 = "round_f32"
 BF16 = "bf16"
 BF16_CANONICAL = "bf16_canonical"
@@ -395,18 +397,54 @@ _YNN_FUSION_TYPES = {
 }
 
 
-def compiler_options(mode="train"):
+#: An inference program without windows (no convolution, no pooling) keeps its reductions out of
+#: YNNPACK on bf16 hosts. XLA then fuses each reduction with the op that produces its operand: an
+#: embedding lookup with the mean that pools it (1024 x 32 rows of a 100,000 x 64 table: 0.5 ms
+#: fused against 1.6-3.0 with the looked-up rows written out for YNNPACK's sum), a layer
+#: normalization or a softmax with its elementwise input. Evaluation step with / without YNNPACK
+#: reductions, wall ms, 3 interleaved rounds (benchmarks/zoo.py's models): the embedding model
+#: 3.0-5.1 / 1.0-2.0, the Transformer 76-81 / 60-64, the MLP 5.7-6.4 / 5.3-5.4, the char LSTM
+#: 68-119 / 70-118 (its recurrence dominates). Training programs gained nothing measurable, and a
+#: program with windows needs them: YNNPACK fuses the CIFAR-10 CNN's forward pass, poolings
+#: included, into one kernel (its evaluation step 146 ms with YNNPACK reductions, 512 without;
+#: ResNet-20's 200 / 227).
+_INFERENCE_WITHOUT_WINDOWS = {"bf16": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+
+#: The ops that make a program's windows: convolutions (as traced, or routed to the MXU) and poolings.
+_WINDOW_PRIMITIVES = frozenset({"conv_general_dilated", "mxu_conv", "reduce_window", "reduce_window_sum",
+                                "reduce_window_max", "reduce_window_min", "select_and_scatter_add",
+                                "select_and_gather_add"})
+
+
+def has_windows(program):
+    """Whether a traced program (a ``ClosedJaxpr``, nested programs included) convolves or pools.
+
+    Example:
+        >>> import jax
+        >>> has_windows(jax.make_jaxpr(lambda x: jnp.mean(x, axis=1))(jnp.ones((2, 3))))
+        False
+    """
+    return bool(rewrite.walk(program, lambda eqn: eqn.primitive.name in _WINDOW_PRIMITIVES))
+
+
+def compiler_options(mode="train", program=None):
     """XLA:CPU compiler options for keras-tpu's ``"train"``, ``"test"`` or ``"predict"`` programs on this host.
 
-    For ``jax.jit(..., compiler_options=compiler_options(mode) or None)``; the
-    built-in table's choices were measured with these options.
+    ``program`` is the traced program (a ``ClosedJaxpr``): an inference
+    program without windows (:func:`has_windows`) gets options of its own (see
+    ``_INFERENCE_WITHOUT_WINDOWS``); without it the options are those of a
+    program with windows. For ``jax.jit(...).trace(...).lower().compile(compiler_options(mode, traced.jaxpr)
+    or None)``; the built-in table's choices were measured with these options.
 
     Example:
         >>> compiler_options("train")["xla_cpu_experimental_ynn_fusion_type"] in (
         ...     "", "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE")
         True
     """
-    fusion_types = _YNN_FUSION_TYPES.get(host_class(), _YNN_FUSION_TYPES["no_bf16"])[mode]
+    host = host_class()
+    fusion_types = _YNN_FUSION_TYPES.get(host, _YNN_FUSION_TYPES["no_bf16"])[mode]
+    if mode != "train" and host in _INFERENCE_WITHOUT_WINDOWS and program is not None and not has_windows(program):
+        fusion_types = _INFERENCE_WITHOUT_WINDOWS[host]
     return {} if fusion_types is None else {"xla_cpu_experimental_ynn_fusion_type": fusion_types}
 
 
