@@ -404,10 +404,11 @@ _YNN_FUSION_TYPES = {
 #: normalization or a softmax with its elementwise input. Evaluation step with / without YNNPACK
 #: reductions, wall ms, 3 interleaved rounds (benchmarks/zoo.py's models): the embedding model
 #: 3.0-5.1 / 1.0-2.0, the Transformer 76-81 / 60-64, the MLP 5.7-6.4 / 5.3-5.4, the char LSTM
-#: 68-119 / 70-118 (its recurrence dominates). Training programs gained nothing measurable, and a
-#: program with windows needs them: YNNPACK fuses the CIFAR-10 CNN's forward pass, poolings
-#: included, into one kernel (its evaluation step 146 ms with YNNPACK reductions, 512 without;
-#: ResNet-20's 200 / 227).
+#: 68-119 / 70-118 (its recurrence dominates). A program with windows needs them: YNNPACK fuses
+#: the CIFAR-10 CNN's forward pass, poolings included, into one kernel (its evaluation step 146 ms
+#: with YNNPACK reductions, 512 without; ResNet-20's 200 / 227). So do training programs (see
+#: above: only the embedding model's step gained without, 15.3-15.8 against 15.8-17.3 ms, from
+#: its lookup; the MLP's and the char LSTM's sums over the batch lost).
 _INFERENCE_WITHOUT_WINDOWS = {"bf16": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 #: The ops that make a program's windows: convolutions (as traced, or routed to the MXU) and poolings.
