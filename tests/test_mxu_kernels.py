@@ -597,3 +597,26 @@ def test_an_embedding_lookup_fuses_with_its_pooling_in_inference_without_windows
     with_ynnpack_sum = traced.lower().compile(kernels.compiler_options("test") or None).as_text()
     assert "f32[256,32,64]" in written_shapes(with_ynnpack_sum)
     assert "f32[256,32,64]" not in written_shapes(fused)
+
+
+def test_an_inference_convolution_fused_into_ynnpack_multiplies_exactly_rounded_operands():
+    # XLA hands an inference program's convolution, with the bf16 rounding of its operands, to one YNNPACK
+    # fusion (compiler_options: XLA's defaults at inference). The MXU's numbers must survive it: the result is
+    # the float32 convolution of the rounded operands, not of the float32 ones.
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 16, 16, 32)).astype(np.float32)
+    k = rng.standard_normal((3, 3, 32, 32)).astype(np.float32)
+    layer = lambda x, k: _CONVOLVE(jnp.maximum(x * 1.37 + 0.1, 0), k)
+    traced = jax.jit(mxu.route(layer)).trace(x, k)
+    compiled = traced.lower().compile(kernels.compiler_options("test", traced.jaxpr) or None)
+    if kernels.host_class() == "bf16":
+        assert "__ynn" in compiled.as_text()
+    y = np.maximum(x * np.float32(1.37) + np.float32(0.1), 0).astype(np.float32)
+    rounded = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32)
+    want = np.asarray(lax.conv_general_dilated(rounded(y), rounded(k), (1, 1), "SAME",
+                                               dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                               precision=lax.Precision.HIGHEST))
+    unrounded = np.asarray(_CONVOLVE(y, rounded(k)))
+    got = np.asarray(compiled(x, k))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.max(np.abs(got - unrounded)) > 1e-2   # the rounding matters at these values
