@@ -13,7 +13,8 @@ On the simulating CPU two such ops stand out:
 * A sum over a few leading rows of a large array, such as the cores' mean of
   per-core weight gradients in a model's own ``train_step`` (a ``psum`` over
   the core axis, ``(8, 784, 256) -> (784, 256)``). XLA:CPU hands such a
-  reduction to YNNPACK (in every program on this project's bf16 hosts, see
+  reduction to YNNPACK (in every training program and every inference program
+  with convolutions or poolings on this project's bf16 hosts, see
   :mod:`keras_tpu.mxu._kernels`), which runs it 7-90x slower than adding the
   rows one by one as a fused elementwise pass: 6.6-8.9 ms against 0.10 for
   ``(8, 784, 256)`` and ``(8, 262144)``, 1.3 against 0.04 for ``(4, 65536)``
