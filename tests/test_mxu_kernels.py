@@ -576,14 +576,17 @@ def test_has_windows_finds_convolutions_and_poolings_wherever_they_are():
 def test_only_inference_without_windows_on_a_bf16_host_changes_its_options(monkeypatch):
     monkeypatch.setattr(kernels, "host_class", lambda: "bf16")
     plain, pooled = jax.make_jaxpr(_MEAN)(_IMAGES), jax.make_jaxpr(_POOL)(_IMAGES)
+    dots_and_sums = {"xla_cpu_experimental_ynn_fusion_type":
+                     "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"}
     for mode in ("test", "predict"):
         assert kernels.compiler_options(mode, plain) == {
             "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
-        assert kernels.compiler_options(mode, pooled) == kernels.compiler_options(mode) == {}
+        # With windows, inference takes the training programs' options: XLA's own convolutions.
+        assert kernels.compiler_options(mode, pooled) == kernels.compiler_options(mode) == dots_and_sums
     assert kernels.compiler_options("train", plain) == kernels.compiler_options("train", pooled) == \
-        kernels.compiler_options("train")
+        kernels.compiler_options("train") == dots_and_sums
     monkeypatch.setattr(kernels, "host_class", lambda: "no_bf16")   # measured on bf16 hosts only
-    assert kernels.compiler_options("test", plain) == {}
+    assert kernels.compiler_options("test", plain) == kernels.compiler_options("test", pooled) == {}
 
 
 def test_an_embedding_lookup_fuses_with_its_pooling_in_inference_without_windows(monkeypatch):
@@ -599,18 +602,21 @@ def test_an_embedding_lookup_fuses_with_its_pooling_in_inference_without_windows
     assert "f32[256,32,64]" not in written_shapes(fused)
 
 
-def test_an_inference_convolution_fused_into_ynnpack_multiplies_exactly_rounded_operands():
-    # XLA hands an inference program's convolution, with the bf16 rounding of its operands, to one YNNPACK
-    # fusion (compiler_options: XLA's defaults at inference). The MXU's numbers must survive it: the result is
-    # the float32 convolution of the rounded operands, not of the float32 ones.
+@pytest.mark.parametrize("options", ["xla_defaults", "this_host"])
+def test_an_inference_convolution_multiplies_exactly_rounded_operands(options):
+    # At XLA's defaults (inference on hosts without bf16 instructions) XLA hands a convolution, with the bf16
+    # rounding of its operands, to one YNNPACK fusion; on bf16 hosts it runs on XLA's own convolution. The MXU's
+    # numbers must survive either: the result is the float32 convolution of the rounded operands, not of the
+    # float32 ones.
     rng = np.random.default_rng(0)
     x = rng.standard_normal((8, 16, 16, 32)).astype(np.float32)
     k = rng.standard_normal((3, 3, 32, 32)).astype(np.float32)
     layer = lambda x, k: _CONVOLVE(jnp.maximum(x * 1.37 + 0.1, 0), k)
     traced = jax.jit(mxu.route(layer)).trace(x, k)
-    compiled = traced.lower().compile(kernels.compiler_options("test", traced.jaxpr) or None)
+    chosen = {} if options == "xla_defaults" else kernels.compiler_options("test", traced.jaxpr)
+    compiled = traced.lower().compile(chosen or None)
     if kernels.host_class() == "bf16":
-        assert "__ynn" in compiled.as_text()
+        assert ("__ynn" in compiled.as_text()) == (options == "xla_defaults")
     y = np.maximum(x * np.float32(1.37) + np.float32(0.1), 0).astype(np.float32)
     rounded = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32)
     want = np.asarray(lax.conv_general_dilated(rounded(y), rounded(k), (1, 1), "SAME",

@@ -131,9 +131,9 @@ entry a form or a :class:`ShapeRule` (a form above a shape threshold,
   ms with the pooling gradient of :mod:`keras_tpu._vector_unit`),
   ``round_f32`` for other convolutions. The dot figures assume YNNPACK dots, which
   :func:`compiler_options` keeps on (and YNNPACK convolutions off) in every
-  program on such hosts. (``taps`` would likely pay on ``"no_bf16"`` hosts
-  too, as the slow grouped convolution is XLA's, but it was not measured
-  there.)
+  program on such hosts, training and inference alike. (``taps`` would
+  likely pay on ``"no_bf16"`` hosts too, as the slow grouped convolution is
+  XLA's, but it was not measured there.)
 
 A table measured on the host itself overrides these: run
 ``python benchmarks/mxu_kernels.py --write-table FILE`` and point
@@ -378,22 +378,26 @@ def host_class():
 
 
 #: YNNPACK fusion types XLA:CPU may use, per host class and program mode (``None``: XLA's
-#: defaults, YNNPACK dots and convolutions). On hosts without bf16 instructions YNNPACK's
-#: convolutions are several times slower for the weight-gradient convolutions of a training
-#: step and faster for inference. On bf16 hosts the native bf16 dots of the table above need
-#: YNNPACK dots, and YNNPACK convolutions are slower in both kinds of program (the CIFAR-10
-#: CNN's test step: 3.9 s of CPU per 4096 images with them, 2.2-2.5 without). YNNPACK
-#: reductions pay in training: without them XLA splits every large sum (a bias gradient, a batch
-#: norm's statistics) into a slow reduce-window and a reduce. Train step with / without, wall ms,
-#: best of 4-5 interleaved rounds (benchmarks/zoo.py's models): MobileNet 1472 / 1837, ResNet-20
-#: 964 / 1119, MLP 15.4 / 17.4, char LSTM 318 / 338, CIFAR-10 CNN 894 / 910, Transformer 286 /
-#: 284, the embedding model 16.1 / 15.3.
+#: defaults, YNNPACK dots, reductions and convolutions). On hosts without bf16 instructions
+#: YNNPACK's convolutions are several times slower for the weight-gradient convolutions of a
+#: training step and faster for inference. On bf16 hosts the native bf16 dots of the table above
+#: need YNNPACK dots, and every program keeps its convolutions on XLA's own (Eigen's), which ran
+#: faster here in every layer measured, b128 per core, ms XLA / YNNPACK: 32x32x32->32 3x3
+#: forward 7.6 / 11.6, input gradient 8.6 / 12.8, weight gradient 15.9 / 27.0; 16x16x64->64
+#: unpadded forward 5.3 / 32.8; ResNet-20's 16x16x32->32 (b64) 0.9 / 1.4. At inference that beat
+#: YNNPACK fusing a whole forward pass into one kernel: evaluation step with / without YNNPACK
+#: convolutions, wall ms, 2 interleaved rounds: the CIFAR-10 CNN 147, 139 / 141, 134; ResNet-20
+#: 185, 179 / 162, 167; MobileNet 96, 98 / 82, 77; keras.io's MNIST convnet and Conv1D text
+#: classifier unchanged. YNNPACK reductions pay in every program with windows: without them
+#: XLA splits every large sum (a bias gradient, a batch norm's statistics) into a slow
+#: reduce-window and a reduce. Train step with / without, wall ms, best of 4-5 interleaved
+#: rounds (benchmarks/zoo.py's models): MobileNet 1472 / 1837, ResNet-20 964 / 1119, MLP 15.4 /
+#: 17.4, char LSTM 318 / 338, CIFAR-10 CNN 894 / 910, Transformer 286 / 284, the embedding
+#: model 16.1 / 15.3; the CIFAR-10 CNN's evaluation step 146 / 512 ms.
+_YNN_DOTS_AND_SUMS = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"
 _YNN_FUSION_TYPES = {
     "no_bf16": {"train": "", "test": None, "predict": None},
-    # Inference keeps XLA's defaults (YNNPACK for dots, reductions *and* convolutions): the CIFAR-10
-    # CNN evaluates 4096 images in 0.93 s with them against 1.11 s with dots only.
-    "bf16": {"train": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE", "test": None,
-             "predict": None},
+    "bf16": {"train": _YNN_DOTS_AND_SUMS, "test": _YNN_DOTS_AND_SUMS, "predict": _YNN_DOTS_AND_SUMS},
 }
 
 
@@ -404,11 +408,11 @@ _YNN_FUSION_TYPES = {
 #: normalization or a softmax with its elementwise input. Evaluation step with / without YNNPACK
 #: reductions, wall ms, 3 interleaved rounds (benchmarks/zoo.py's models): the embedding model
 #: 3.0-5.1 / 1.0-2.0, the Transformer 76-81 / 60-64, the MLP 5.7-6.4 / 5.3-5.4, the char LSTM
-#: 68-119 / 70-118 (its recurrence dominates). A program with windows needs them: YNNPACK fuses
-#: the CIFAR-10 CNN's forward pass, poolings included, into one kernel (its evaluation step 146 ms
-#: with YNNPACK reductions, 512 without; ResNet-20's 200 / 227). So do training programs (see
-#: above: only the embedding model's step gained without, 15.3-15.8 against 15.8-17.3 ms, from
-#: its lookup; the MLP's and the char LSTM's sums over the batch lost).
+#: 68-119 / 70-118 (its recurrence dominates). A program with windows needs them for its poolings
+#: (the CIFAR-10 CNN's evaluation step 146 ms with YNNPACK reductions, 512 without; ResNet-20's 200
+#: / 227), and so do training programs (see above: only the embedding model's step gained without,
+#: 15.3-15.8 against 15.8-17.3 ms, from its lookup; the MLP's and the char LSTM's sums over the
+#: batch lost).
 _INFERENCE_WITHOUT_WINDOWS = {"bf16": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 #: The ops that make a program's windows: convolutions (as traced, or routed to the MXU) and poolings.
