@@ -424,11 +424,10 @@ class ReplicatedSteps:
         0.86x looped; the embedding model 4.6 ms against 6 vectorised (plain
         4.3). With convolutions neither layout always wins, and no rule from
         the model's layers separated them: ResNet-20 evaluates faster looped
-        (512 images in 191 ms against 263 merged, plain Keras 226), and so
-        does the same network without batch normalization or residual adds,
-        because XLA's YNNPACK fusions split at the rounding of the merged
-        program's 32-feature activations; the CIFAR CNN, which YNNPACK runs
-        as one fusion, and the MNIST convnet run faster merged. Such programs
+        (512 images in 166 ms against 208 merged, plain Keras 250-266), and
+        so did the same network without batch normalization or residual adds;
+        the CIFAR CNN (1024 images in 140 ms merged, 151 looped) and the MNIST
+        convnet run faster merged. Such programs
         (``layout_choices``) are traced both ways and :class:`LayoutTrial`
         times them on the first batches. Depthwise
         convolutions (summed tap by tap, see :mod:`keras_tpu.mxu._kernels`)

@@ -381,19 +381,21 @@ def host_class():
 #: defaults, YNNPACK dots, reductions and convolutions). On hosts without bf16 instructions
 #: YNNPACK's convolutions are several times slower for the weight-gradient convolutions of a
 #: training step and faster for inference. On bf16 hosts the native bf16 dots of the table above
-#: need YNNPACK dots, and every program keeps its convolutions on XLA's own (Eigen's), which ran
-#: faster here in every layer measured, b128 per core, ms XLA / YNNPACK: 32x32x32->32 3x3
+#: need YNNPACK dots, and every program leaves YNNPACK's convolution fusions off (XLA may still
+#: fold convolutions into another YNNPACK fusion, see below): XLA's own (Eigen's) convolutions
+#: ran faster here in every layer measured, b128 per core, ms XLA / YNNPACK: 32x32x32->32 3x3
 #: forward 7.6 / 11.6, input gradient 8.6 / 12.8, weight gradient 15.9 / 27.0; 16x16x64->64
-#: unpadded forward 5.3 / 32.8; ResNet-20's 16x16x32->32 (b64) 0.9 / 1.4. At inference that beat
-#: YNNPACK fusing a whole forward pass into one kernel: evaluation step with / without YNNPACK
-#: convolutions, wall ms, 2 interleaved rounds: the CIFAR-10 CNN 147, 139 / 141, 134; ResNet-20
-#: 185, 179 / 162, 167; MobileNet 96, 98 / 82, 77; keras.io's MNIST convnet and Conv1D text
-#: classifier unchanged. YNNPACK reductions pay in every program with windows: without them
-#: XLA splits every large sum (a bias gradient, a batch norm's statistics) into a slow
-#: reduce-window and a reduce. Train step with / without, wall ms, best of 4-5 interleaved
-#: rounds (benchmarks/zoo.py's models): MobileNet 1472 / 1837, ResNet-20 964 / 1119, MLP 15.4 /
-#: 17.4, char LSTM 318 / 338, CIFAR-10 CNN 894 / 910, Transformer 286 / 284, the embedding
-#: model 16.1 / 15.3; the CIFAR-10 CNN's evaluation step 146 / 512 ms.
+#: unpadded forward 5.3 / 32.8; ResNet-20's 16x16x32->32 (b64) 0.9 / 1.4. Evaluation step with
+#: XLA's defaults / these options, wall ms, 2 interleaved rounds: the CIFAR-10 CNN 147, 139 /
+#: 141, 134 (XLA still hands its merged forward pass, convolutions included, to one YNNPACK
+#: fusion); ResNet-20 185, 179 / 162, 167; MobileNet 96, 98 / 82, 77 (their cores in a loop);
+#: keras.io's MNIST convnet and Conv1D text classifier unchanged. YNNPACK reductions pay in
+#: every program with windows: without them XLA splits every large sum (a bias gradient, a
+#: batch norm's statistics) into a slow reduce-window and a reduce. Train step with / without,
+#: wall ms, best of 4-5 interleaved rounds (benchmarks/zoo.py's models): MobileNet 1472 / 1837,
+#: ResNet-20 964 / 1119, MLP 15.4 / 17.4, char LSTM 318 / 338, CIFAR-10 CNN 894 / 910,
+#: Transformer 286 / 284, the embedding model 16.1 / 15.3; the CIFAR-10 CNN's evaluation step
+#: 146 / 512 ms.
 _YNN_DOTS_AND_SUMS = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"
 _YNN_FUSION_TYPES = {
     "no_bf16": {"train": "", "test": None, "predict": None},
