@@ -96,6 +96,10 @@ class ExportedModel:
             self.meta = json.load(f)
         with open(os.path.join(path, ARTIFACT), "rb") as f:
             self.exported = jax.export.deserialize(bytearray(f.read()))
+        from keras_tpu.mxu import _kernels as kernels
+        # Compiled as keras-tpu's own programs are: XLA's default would let it drop the MXU's bf16 roundings
+        # where it fuses them with a reduction (see keras_tpu.mxu._kernels.compiler_options).
+        self._predict = jax.jit(self.exported.call, compiler_options=kernels.compiler_options("predict"))
         with np.load(os.path.join(path, WEIGHTS)) as weights:
             self.trainable = [weights[f"t{i}"] for i in range(self.meta["trainable"])]
             self.non_trainable = [weights[f"n{i}"] for i in range(self.meta["non_trainable"])]
@@ -117,7 +121,7 @@ class ExportedModel:
                 raise ValueError(f"Input {spec['name']!r} must have shape (batch, {', '.join(map(str, spec['shape']))})"
                                  f"; got {array.shape}.")
             arrays.append(array)
-        return jax.tree.map(np.asarray, self.exported.call(self.trainable, self.non_trainable, *arrays))
+        return jax.tree.map(np.asarray, self._predict(self.trainable, self.non_trainable, *arrays))
 
 
 def load_exported(path):

@@ -52,6 +52,7 @@ from keras import tree
 from keras_tpu import _keras_private, _pod as pod, _rewrite as rewrite
 from keras_tpu._custom_steps import gradients_averaged_over_cores
 from keras_tpu._placement import Placement, installed_on
+from keras_tpu.mxu import _kernels as kernels
 
 _active = threading.local()
 
@@ -861,8 +862,14 @@ class _RunProgram:
                                       old.dtype)[None] for v, old in zip(self.written, old_values)]
             return jax.tree.map(lambda a: jnp.asarray(a)[None], outputs), new_values
 
-        self.program = jax.jit(strategy.layout.per_core(rewrite.transform(core_fn, strategy.placement.rule),
-                                                        (False, False, True), (True, True)))
+        per_core = strategy.layout.per_core(rewrite.transform(core_fn, strategy.placement.rule), (False, False, True),
+                                            (True, True))
+        # Called on its own, the program compiles with XLA:CPU's options for a training program (a replica function
+        # may compute gradients), the MXU's bf16 rounding kept exact among them (see
+        # keras_tpu.mxu._kernels.compiler_options). Inside the user's own jit, whose compile decides, JAX takes no
+        # options for a nested one.
+        self.program = jax.jit(per_core, compiler_options=kernels.compiler_options("train"))
+        self.nested_program = jax.jit(per_core)
 
     def _call_fn(self, replicated, sharded):
         replicated, sharded = iter(replicated), iter(sharded)
@@ -873,7 +880,12 @@ class _RunProgram:
 
     def __call__(self, replicated, sharded):
         values = [v.value for v in self.variables]
-        outputs, per_core = self.program(values, replicated, sharded)
+        try:
+            outputs, per_core = self.program(values, replicated, sharded)
+        except ValueError as error:   # called while the user's own jit traces (JAX names the nested-jit rule)
+            if "compiler_options" not in str(error):
+                raise
+            outputs, per_core = self.nested_program(values, replicated, sharded)
         olds = {id(v): value for v, value in zip(self.variables, values)}
         for variable, stacked in zip(self.written, per_core):
             variable.assign(_combine_over_cores(variable, olds[id(variable)], stacked))

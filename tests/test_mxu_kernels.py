@@ -576,17 +576,18 @@ def test_has_windows_finds_convolutions_and_poolings_wherever_they_are():
 def test_only_inference_without_windows_on_a_bf16_host_changes_its_options(monkeypatch):
     monkeypatch.setattr(kernels, "host_class", lambda: "bf16")
     plain, pooled = jax.make_jaxpr(_MEAN)(_IMAGES), jax.make_jaxpr(_POOL)(_IMAGES)
-    dots_and_sums = {"xla_cpu_experimental_ynn_fusion_type":
+    exact = {"xla_allow_excess_precision": False}   # every program, every host (see the next tests)
+    dots_and_sums = {**exact, "xla_cpu_experimental_ynn_fusion_type":
                      "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"}
     for mode in ("test", "predict"):
         assert kernels.compiler_options(mode, plain) == {
-            "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+            **exact, "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
         # With windows, inference takes the training programs' options: XLA's own convolutions.
         assert kernels.compiler_options(mode, pooled) == kernels.compiler_options(mode) == dots_and_sums
     assert kernels.compiler_options("train", plain) == kernels.compiler_options("train", pooled) == \
         kernels.compiler_options("train") == dots_and_sums
     monkeypatch.setattr(kernels, "host_class", lambda: "no_bf16")   # measured on bf16 hosts only
-    assert kernels.compiler_options("test", plain) == kernels.compiler_options("test", pooled) == {}
+    assert kernels.compiler_options("test", plain) == kernels.compiler_options("test", pooled) == exact
 
 
 def test_an_embedding_lookup_fuses_with_its_pooling_in_inference_without_windows(monkeypatch):
@@ -602,27 +603,104 @@ def test_an_embedding_lookup_fuses_with_its_pooling_in_inference_without_windows
     assert "f32[256,32,64]" not in written_shapes(fused)
 
 
-@pytest.mark.parametrize("options", ["xla_defaults", "this_host"])
-def test_an_inference_convolution_multiplies_exactly_rounded_operands(options):
-    # At XLA's defaults (inference on hosts without bf16 instructions) XLA hands a convolution, with the bf16
-    # rounding of its operands, to one YNNPACK fusion; on bf16 hosts it runs on XLA's own convolution. The MXU's
-    # numbers must survive either: the result is the float32 convolution of the rounded operands, not of the
-    # float32 ones.
+def _bf16(a):
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _exact_conv(a, k):
+    return np.asarray(lax.conv_general_dilated(a, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                               precision=lax.Precision.HIGHEST))
+
+
+@pytest.mark.parametrize("host", ["bf16", "no_bf16"])
+def test_an_inference_convolution_multiplies_exactly_rounded_operands(monkeypatch, host):
+    # On hosts without bf16 instructions XLA hands an inference program's convolution, with the bf16 rounding of
+    # its operands, to one YNNPACK fusion; on bf16 hosts it runs on XLA's own convolution. The MXU's numbers must
+    # survive either: the result is the float32 convolution of the rounded operands, not of the float32 ones.
+    monkeypatch.setattr(kernels, "host_class", lambda: host)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((8, 16, 16, 32)).astype(np.float32)
     k = rng.standard_normal((3, 3, 32, 32)).astype(np.float32)
     layer = lambda x, k: _CONVOLVE(jnp.maximum(x * 1.37 + 0.1, 0), k)
     traced = jax.jit(mxu.route(layer)).trace(x, k)
-    chosen = {} if options == "xla_defaults" else kernels.compiler_options("test", traced.jaxpr)
-    compiled = traced.lower().compile(chosen or None)
-    if kernels.host_class() == "bf16":
-        assert ("__ynn" in compiled.as_text()) == (options == "xla_defaults")
+    compiled = traced.lower().compile(kernels.compiler_options("test", traced.jaxpr))
+    assert ("__ynn" in compiled.as_text()) == (host == "no_bf16")
     y = np.maximum(x * np.float32(1.37) + np.float32(0.1), 0).astype(np.float32)
-    rounded = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32)
-    want = np.asarray(lax.conv_general_dilated(rounded(y), rounded(k), (1, 1), "SAME",
-                                               dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                                               precision=lax.Precision.HIGHEST))
-    unrounded = np.asarray(_CONVOLVE(y, rounded(k)))
+    want = _exact_conv(_bf16(y), _bf16(k))
+    unrounded = np.asarray(_CONVOLVE(y, _bf16(k)))
     got = np.asarray(compiled(x, k))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert np.max(np.abs(got - unrounded)) > 1e-2   # the rounding matters at these values
+
+
+def _pool(x):
+    return lax.reduce_window(x, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+
+
+def _two_conv_blocks(x, k1, k2):   # the CIFAR-10 CNN's evaluation in small: what XLA fuses into one YNNPACK kernel
+    h = _pool(jnp.maximum(_CONVOLVE(x, k1), 0))
+    return jnp.sum(_pool(jnp.maximum(_CONVOLVE(h, k2), 0)), axis=(1, 2))
+
+
+def _two_conv_blocks_exact(x, k1, k2):
+    h = np.asarray(_pool(np.maximum(_exact_conv(_bf16(x), _bf16(k1)), 0)))
+    h = np.asarray(_pool(np.maximum(_exact_conv(_bf16(h), _bf16(k2)), 0)))
+    return h.astype(np.float64).sum(axis=(1, 2))
+
+
+def _summed_product(a, w):   # a product whose rows are summed in the same program (a bias gradient, a mean)
+    return jnp.sum(a @ w, axis=0)
+
+
+def _summed_product_exact(a, w):
+    return (_bf16(a).astype(np.float64) @ _bf16(w).astype(np.float64)).sum(axis=0)
+
+
+@pytest.mark.parametrize("host", ["bf16", "no_bf16"])
+@pytest.mark.parametrize("mode", ["train", "test"])
+@pytest.mark.parametrize("case", ["two_conv_blocks", "summed_product"])
+def test_roundings_survive_fusion_with_reductions(monkeypatch, host, mode, case):
+    # XLA's default lets it drop a float32 -> bf16 -> float32 round trip as excess precision, and it did where the
+    # rounding was fused with a reduction (YNNPACK's fusion of a whole forward pass returned the unrounded float32
+    # network's numbers). keras-tpu's options forbid that: the results are those of exactly rounded operands.
+    monkeypatch.setattr(kernels, "host_class", lambda: host)
+    rng = np.random.default_rng(0)
+    if case == "two_conv_blocks":
+        fn, exact = _two_conv_blocks, _two_conv_blocks_exact
+        args = (rng.standard_normal((32, 16, 16, 32)).astype(np.float32) * 1.37 + 0.1,
+                rng.standard_normal((3, 3, 32, 32)).astype(np.float32),
+                rng.standard_normal((3, 3, 32, 32)).astype(np.float32))
+    else:
+        fn, exact = _summed_product, _summed_product_exact
+        args = (rng.standard_normal((256, 512)).astype(np.float32) * 1.37 + 0.1,
+                rng.standard_normal((512, 256)).astype(np.float32))
+    want = exact(*args)
+    scale = np.max(np.abs(want))
+    with kernels.use_form(kernels.ROUND_F32):   # the form that rounds in float32 (a native bf16 product cannot lose it)
+        traced = jax.jit(mxu.route(fn)).trace(*args)
+        options = kernels.compiler_options(mode, traced.jaxpr)
+        got = np.asarray(traced.lower().compile(options)(*args), np.float64)
+    # Float32 sums in another order may flip a rounding of the second block's input: ~1e-5 of the scale at most.
+    assert np.max(np.abs(got - want)) / scale < 2e-4
+
+
+def test_without_the_option_xla_drops_a_rounding_fused_with_a_reduction(monkeypatch):
+    # What the option above guards against (and what makes that test able to fail): the same program compiled with
+    # XLA's default precision rule, two convolution blocks fused into one YNNPACK kernel with the sum after them,
+    # comes out ~2e-3 of the scale off the exactly rounded result, as if computed in float32 throughout.
+    monkeypatch.setattr(kernels, "host_class", lambda: "bf16")
+    rng = np.random.default_rng(0)
+    args = (rng.standard_normal((32, 16, 16, 32)).astype(np.float32) * 1.37 + 0.1,
+            rng.standard_normal((3, 3, 32, 32)).astype(np.float32),
+            rng.standard_normal((3, 3, 32, 32)).astype(np.float32))
+    traced = jax.jit(mxu.route(_two_conv_blocks)).trace(*args)
+    options = kernels.compiler_options("test", traced.jaxpr)
+    loose = traced.lower().compile({k: v for k, v in options.items() if k != "xla_allow_excess_precision"})
+    if "__ynn" not in loose.as_text():
+        pytest.skip("XLA:CPU did not fuse the program into YNNPACK here")
+    want = _two_conv_blocks_exact(*args)
+    unrounded = np.asarray(jax.jit(_two_conv_blocks)(*args), np.float64)   # float32 throughout
+    got = np.asarray(loose(*args), np.float64)
+    scale = np.max(np.abs(want))
+    assert np.max(np.abs(got - want)) / scale > 5e-4
+    assert np.max(np.abs(got - unrounded)) / scale < np.max(np.abs(got - want)) / scale / 10

@@ -176,6 +176,35 @@ print("INPUTS", predict.input_names)
         keras_tpu.load_exported(str(tmp_path / "nothing"))
 
 
+def test_an_exported_convolutional_model_keeps_the_mxu_roundings(tmp_path, monkeypatch):
+    # The export is compiled where it is loaded: with XLA's default, which lets it drop a bf16 round trip fused with
+    # a reduction, a small CNN's predictions came out those of the float32 network. load_exported compiles it with
+    # keras-tpu's options.
+    import keras
+
+    from keras_tpu.mxu import _kernels as kernels
+    layers = keras.layers
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16, 16, 3)), layers.Conv2D(32, 3, padding="same", activation="relu"),
+                              layers.MaxPooling2D(), layers.Conv2D(32, 3, padding="same", activation="relu"),
+                              layers.MaxPooling2D(), layers.Flatten(), layers.Dense(10)])
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).standard_normal((64, 16, 16, 3)).astype("float32")
+    tpu = keras_tpu.keras_to_tpu_model(model)
+    want = tpu.predict(x, batch_size=64, verbose=0)
+    float32 = model.predict(x, batch_size=64, verbose=0)
+    path = tpu.export(str(tmp_path / "exported"))
+    got = keras_tpu.load_exported(path)(x)
+    scale = np.max(np.abs(want))
+    assert np.mean(np.abs(got - want)) / scale < 1e-5
+    assert np.mean(np.abs(float32 - want)) / scale > 1e-4   # the rounding shows at this size
+    monkeypatch.setattr(kernels, "compiler_options", lambda *args: {})   # XLA's defaults: the check above can fail
+    loaded = keras_tpu.load_exported(path)
+    if "__ynn" not in loaded._predict.lower(loaded.trainable, loaded.non_trainable, x).compile().as_text():
+        pytest.skip("XLA:CPU did not fuse the program into YNNPACK here")
+    assert np.mean(np.abs(loaded(x) - want)) / scale > 1e-4
+
+
 def test_estimator_export_saved_model(tmp_path):
     from tests.test_tpu_estimator import make, mnist
 

@@ -147,7 +147,9 @@ def _freeze(params):
 @functools.lru_cache(maxsize=512)
 def _jitted(op, frozen_params, choice_key):  # choice_key: the kernel-form settings the program is lowered with
     params = dict(frozen_params)
-    return jax.jit(lambda lhs, rhs: op.primitive.bind(lhs, rhs, **params))
+    # Compiled as keras-tpu's own programs are, so that XLA keeps the pass's bf16 rounding exact.
+    return jax.jit(lambda lhs, rhs: op.primitive.bind(lhs, rhs, **params),
+                   compiler_options=kernels.compiler_options("predict"))
 
 
 def _plain_dot(lhs, rhs, *, dimension_numbers, preferred_element_type=None, out_sharding=None):
@@ -205,11 +207,17 @@ def route(fun, precision="default"):
         precision: ``"default"`` (one bfloat16 pass), ``"high"``
             (bf16_3x) or ``"highest"`` (bf16_6x), or an alias.
 
+    Compile the routed function with ``xla_allow_excess_precision`` off, as
+    keras-tpu compiles its own programs: by default XLA may drop the bf16
+    rounding of the MXU's operands where it fuses it with a reduction (see
+    ``keras_tpu.mxu._kernels.compiler_options``).
+
     Example:
         >>> import jax, jax.numpy as jnp
         >>> from keras_tpu import mxu
         >>> loss = lambda w, x: jnp.sum(jnp.tanh(x @ w))
-        >>> grads = jax.jit(mxu.route(jax.grad(loss)))(jnp.ones((3, 2)), jnp.ones((4, 3)))
+        >>> grads = jax.jit(mxu.route(jax.grad(loss)), compiler_options={"xla_allow_excess_precision": False})(
+        ...     jnp.ones((3, 2)), jnp.ones((4, 3)))
     """
     return rewrite.transform(fun, mxu_rule(precision))
 
