@@ -14,7 +14,7 @@ import pytest
 import keras_tpu
 from keras_tpu import _checkpoints as checkpoints
 from tests.conftest import REPO
-from tests.tpu_helpers import classification_data, on_tpu, small_classifier
+from tests.tpu_helpers import classification_data, on_tpu, small_classifier, small_cnn
 
 
 def free_port():
@@ -180,15 +180,9 @@ def test_an_exported_convolutional_model_keeps_the_mxu_roundings(tmp_path, monke
     # The export is compiled where it is loaded: with XLA's default, which lets it drop a bf16 round trip fused with
     # a reduction, a small CNN's predictions came out those of the float32 network. load_exported compiles it with
     # keras-tpu's options.
-    import keras
-
     from keras_tpu.mxu import _kernels as kernels
-    layers = keras.layers
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((16, 16, 3)), layers.Conv2D(32, 3, padding="same", activation="relu"),
-                              layers.MaxPooling2D(), layers.Conv2D(32, 3, padding="same", activation="relu"),
-                              layers.MaxPooling2D(), layers.Flatten(), layers.Dense(10)])
-    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    model = small_cnn()
     x = np.random.default_rng(0).standard_normal((64, 16, 16, 3)).astype("float32")
     tpu = keras_tpu.keras_to_tpu_model(model)
     want = tpu.predict(x, batch_size=64, verbose=0)

@@ -8,7 +8,7 @@ import pytest
 
 import keras_tpu
 from tests.tpu_helpers import (assert_weights_close, classification_data, compiled_programs, on_tpu, small_classifier,
-                               written_shapes)
+                               small_cnn, written_shapes)
 
 
 def test_refuses_what_is_not_a_keras_model():
@@ -305,12 +305,7 @@ def test_a_convolutional_model_keeps_the_mxu_roundings_where_xla_fuses_its_layer
     # (keras_tpu.mxu._kernels.compiler_options): its results are those of a reference program with no YNNPACK fusion.
     from keras_tpu.mxu import _kernels as kernels
 
-    layers = keras.layers
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((16, 16, 3)), layers.Conv2D(32, 3, padding="same", activation="relu"),
-                              layers.MaxPooling2D(), layers.Conv2D(32, 3, padding="same", activation="relu"),
-                              layers.MaxPooling2D(), layers.Flatten(), layers.Dense(10)])
-    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = small_cnn()
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((64, 16, 16, 3)).astype("float32"), rng.integers(0, 10, (64,))
     initial = model.get_weights()
