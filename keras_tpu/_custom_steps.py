@@ -255,7 +255,7 @@ class _CustomProgram:
             traced = jitted.trace(state, rounded, jax.device_put(data, self.layout.replicated_sharding()))
             # The XLA:CPU options of the replicated programs (keras_tpu.mxu._kernels.compiler_options): with
             # XLA's defaults YNNPACK ran a DCGAN's per-core weight-gradient convolutions ~10x slower.
-            executable = traced.lower().compile(kernels.compiler_options(self.mode, traced.jaxpr) or None)
+            executable = traced.lower().compile(kernels.compiler_options(self.mode, traced.jaxpr))
             host.release_freed_memory()  # the compiler's scratch (see keras_tpu._host)
             self._executables[key] = executable
             rows = _rows(data)

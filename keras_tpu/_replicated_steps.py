@@ -921,7 +921,7 @@ class _Program:
         # core's step) runs meanwhile: ResNet-20's first step is ready 0.7 s sooner.
         traced = self._program(self._reads_copies, layout).trace(*args)
         # XLA:CPU's options on this host, for this kind of program (see keras_tpu.mxu._kernels.compiler_options).
-        compiling = _COMPILER.submit(traced.lower().compile, kernels.compiler_options(self.mode, traced.jaxpr) or None)
+        compiling = _COMPILER.submit(traced.lower().compile, kernels.compiler_options(self.mode, traced.jaxpr))
         # A TPU keeps no bf16 copies. One core's step needs the same HBM in either layout: checked once per shape.
         checked = any(signature + (other,) in self._executables for other in (MERGED, LOOPED))
         footprint = None if checked else self.builder.hbm_footprint(self.mode, (args[0],) + args[2:])

@@ -402,7 +402,7 @@ def test_a_transposed_bf16_operand_reaches_the_compiled_dot_in_bf16(form):
     g, x = jnp.ones((8, 128, 256), jnp.float32), jnp.ones((8, 128, 192), jnp.float32)
     dimension_numbers = (((0, 1), (0, 1)), ((), ()))
     step = jax.jit(lambda g, x: kernels.dot_pass(g, x, dimension_numbers, form).T * 2.0,
-                   compiler_options=kernels.compiler_options("train") or None)
+                   compiler_options=kernels.compiler_options("train"))
     compiled = step.lower(g, x).compile()
     text = compiled.as_text()
     dots = re.findall(r"= \S+ dot\(%([\w.\-]+), %([\w.\-]+)\)", text)
@@ -597,8 +597,8 @@ def test_an_embedding_lookup_fuses_with_its_pooling_in_inference_without_windows
     table, ids = jnp.ones((1000, 64)), jnp.zeros((256, 32), jnp.int32)
     lookup_mean = lambda t, i: jnp.mean(jnp.take(t, i, axis=0), axis=1) @ jnp.ones((64, 16))
     traced = jax.jit(lookup_mean).trace(table, ids)
-    fused = traced.lower().compile(kernels.compiler_options("test", traced.jaxpr) or None).as_text()
-    with_ynnpack_sum = traced.lower().compile(kernels.compiler_options("test") or None).as_text()
+    fused = traced.lower().compile(kernels.compiler_options("test", traced.jaxpr)).as_text()
+    with_ynnpack_sum = traced.lower().compile(kernels.compiler_options("test")).as_text()
     assert "f32[256,32,64]" in written_shapes(with_ynnpack_sum)
     assert "f32[256,32,64]" not in written_shapes(fused)
 

@@ -456,8 +456,8 @@ def compiler_options(mode="train", program=None):
     ``program`` is the traced program (a ``ClosedJaxpr``): an inference
     program without windows (:func:`has_windows`) gets options of its own (see
     ``_INFERENCE_WITHOUT_WINDOWS``); without it the options are those of a
-    program with windows. For ``jax.jit(...).trace(...).lower().compile(compiler_options(mode, traced.jaxpr)
-    or None)``; the built-in table's choices were measured with these options.
+    program with windows. For ``jax.jit(...).trace(...).lower().compile(compiler_options(mode, traced.jaxpr))``
+    (never empty); the built-in table's choices were measured with these options.
 
     Every program keeps the MXU's bf16 roundings exact (``_EXACT_ROUNDING``).
 
