@@ -7,6 +7,10 @@
 * ``loss_reductions``: how each compiled loss reduces over the batch (the
   ``Loss`` objects built inside ``CompileLoss``), needed to mask padded rows
   exactly.
+* ``losses_not_per_row``: which compiled losses give no value per row (a
+  custom loss function that returns the batch's mean, say), whose padding
+  rows no mask can keep out; Keras builds its ``Loss`` objects and the paths
+  of the outputs they score inside ``CompileLoss`` (``_flat_losses``).
 * ``update_metrics``: the loss tracker (``Trainer._loss_tracker``) must be
   updated with the number of *real* rows of a padded batch (Keras'
   ``_update_metrics_variables`` uses the padded row count), and the compiled
@@ -55,6 +59,7 @@ import contextlib
 import functools
 import threading
 
+import jax
 import keras
 from keras import StatelessScope
 from keras.src.legacy.saving import legacy_h5_format as legacy_h5  # noqa: F401  (re-exported)
@@ -84,6 +89,54 @@ def loss_reductions(model):
     user_losses = [loss for loss in keras.tree.flatten(getattr(compiled, "_user_loss", None)) if loss is not None]
     return [getattr(loss, "reduction", None) if isinstance(loss, keras.losses.Loss) else "sum_over_batch_size"
             for loss in user_losses]
+
+
+def losses_not_per_row(model, y, y_pred):
+    """Names of the compiled losses of ``model`` whose values have no leading axis of one value per row.
+
+    ``y`` and ``y_pred`` are the batch's targets and the model's outputs
+    (arrays or ``jax.ShapeDtypeStruct`` pytrees). Each loss's elementwise
+    values (``Loss.call``, before its reduction and sample weights) are traced
+    abstractly. Keras' own losses give one value per row (and position); a
+    function the user compiled may return a scalar, such as the batch's mean.
+    An empty list where the losses are not built yet or the targets do not
+    match the outputs one for one (the caller keeps its default).
+
+    Example:
+        >>> model.compile(loss=lambda y, p: keras.ops.mean(keras.ops.square(y - p)))   # doctest: +SKIP
+        >>> losses_not_per_row(model, y, y_pred)                                        # doctest: +SKIP
+        ['<lambda>']
+    """
+    compiled = getattr(model, "_compile_loss", None)
+    flat = getattr(compiled, "_flat_losses", None)
+    if not flat:
+        return []
+    rows = keras.tree.flatten(y_pred)[0].shape[0]
+    y_true = y
+    if keras.tree.is_nested(y_pred) and not keras.tree.is_nested(y) and len(keras.tree.flatten(y_pred)) == 1:
+        y_true = [y]
+    try:
+        y_true = keras.tree.pack_sequence_as(y_pred, keras.tree.flatten(y_true))
+    except (ValueError, TypeError):
+        return []
+
+    def at(path, tree):
+        for key in path:
+            tree = tree[key]
+        return tree
+
+    found = []
+    for path, loss, _, name in flat:
+        if not isinstance(loss, keras.losses.Loss):
+            continue
+        try:
+            values = jax.eval_shape(loss.call, at(path, y_true), at(path, y_pred))
+        except Exception:  # noqa: BLE001  (a loss that cannot be traced alone keeps the caller's default)
+            continue
+        shapes = [v.shape for v in jax.tree.leaves(values)]
+        if not shapes or any(len(shape) == 0 or shape[0] != rows for shape in shapes):
+            found.append(getattr(loss, "name", None) or name or type(loss).__name__)
+    return found
 
 
 def per_output_loss_trackers(model):
@@ -181,7 +234,7 @@ def _install_hooks():
     with _hooks_lock:
         if _hooks_installed:
             return
-        original_init, original_compile = Trainer.__init__, keras.Model.compile
+        original_init, original_compile = Trainer.__init__, Trainer.compile
         original_apply = keras.optimizers.Optimizer.apply
 
         @functools.wraps(original_init)
@@ -202,7 +255,10 @@ def _install_hooks():
                 grads = transform(grads)
             return original_apply(self, grads, trainable_variables)
 
-        Trainer.__init__, keras.Model.compile, keras.optimizers.Optimizer.apply = init, compile, apply
+        # On Trainer itself, where Model inherits it from: Keras' compile_from_config (load_model, clone_model)
+        # skips a compile it takes for the user's own (``cls.compile != Trainer.compile``), and a loaded model
+        # would come back uncompiled.
+        Trainer.__init__, Trainer.compile, keras.optimizers.Optimizer.apply = init, compile, apply
         _hooks_installed = True
 
 

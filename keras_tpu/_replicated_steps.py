@@ -232,7 +232,7 @@ class ReplicatedSteps:
         self._tracing_layout = None  # the inference layout being traced (see tracing_inference_layout)
         self._core_forwards = {}  # one core's forward pass per input shape (see _core_forward)
         self._shared_traces = {}  # pieces of a step traced once, replayed (see _traced_once)
-        self._losses_added_in_call = {}  # whether the forward pass adds losses, per input shape
+        self._rows_reach_loss = {}  # why padding rows would reach the loss (or ''), per batch shape
         self.model = model
         self.layout = layout
         self.precision = canonical_precision(precision)
@@ -265,26 +265,30 @@ class ReplicatedSteps:
         """``(state, iterator) -> (logs, state)``, for ``model.train_function``."""
         if "train_step" in self.custom:
             return CustomSteps(self).function("train", steps_per_execution)
-        return self._unless_losses_added_in_call(
+        return self._unless_rows_reach_the_loss(
             "train", steps_per_execution, _Program("train", self, steps_per_execution, self._device_train).run_for_logs)
 
     def test_function(self, steps_per_execution=1):
         """``(state, iterator) -> (logs, state)``, for ``model.test_function``."""
         if "test_step" in self.custom:
             return CustomSteps(self).function("test", steps_per_execution)
-        return self._unless_losses_added_in_call(
+        return self._unless_rows_reach_the_loss(
             "test", steps_per_execution, _Program("test", self, steps_per_execution, self._device_test).run_for_logs)
 
-    def _unless_losses_added_in_call(self, mode, steps_per_execution, padded_function):
-        """``padded_function``, unless the model adds losses in ``call`` (``add_loss``, activity regularisers).
+    def _unless_rows_reach_the_loss(self, mode, steps_per_execution, padded_function):
+        """``padded_function``, unless padding rows would reach the model's loss: it adds losses in ``call``
+        (``add_loss``, activity regularisers) or a compiled loss gives no value per row.
 
-        Such a loss is computed by the user's layer from every row it is given,
-        so no mask can keep padding rows out of it. Those models run Keras' own
-        step on the cores without padding instead (:mod:`keras_tpu._custom_steps`:
-        a batch that does not split evenly over the cores runs on the most cores
-        that divide it), which is exact for losses averaged over the rows, as
-        Keras' activity regularisers are. Decided on the first batch, whose shapes
-        the check traces (no compute).
+        A loss added in ``call`` is computed by the user's layer from every row
+        it is given, and a loss function that returns the batch's mean (as
+        keras.io's siamese network's contrastive loss does) averages whatever
+        rows it gets, so no mask can keep padding rows out of either. Those
+        models run Keras' own step on the cores without padding instead
+        (:mod:`keras_tpu._custom_steps`: a batch that does not split evenly
+        over the cores runs on the most cores that divide it), which is exact
+        for losses averaged over the rows, as Keras' activity regularisers are:
+        the cores' mean of their rows' means is the batch's. Decided on the
+        first batch, whose shapes the check traces (no compute).
         """
         chosen = []
 
@@ -295,10 +299,10 @@ class ReplicatedSteps:
                 except StopIteration:
                     raise StopIteration from None
                 iterator = itertools.chain([first], iterator)
-                if self._adds_losses_in_call(state, first):
-                    logger.info("%s adds losses in call() (add_loss or an activity regularizer): its %s steps run "
-                                "without padding rows, a partial batch on the cores that divide it.",
-                                self.model.name, mode)
+                why = self._rows_reach_the_loss(state, first)
+                if why:
+                    logger.info("%s %s: its %s steps run without padding rows, a partial batch on the cores that "
+                                "divide it.", self.model.name, why, mode)
                     chosen.append(CustomSteps(self).function(mode, steps_per_execution))
                 else:
                     chosen.append(padded_function)
@@ -306,16 +310,19 @@ class ReplicatedSteps:
 
         return function
 
-    def _adds_losses_in_call(self, state, batch):
-        """Whether a forward pass on ``batch`` adds losses (traced abstractly; weight regularisers excluded).
+    def _rows_reach_the_loss(self, state, batch):
+        """Why padding rows of ``batch`` would reach the model's loss (see
+        :meth:`_unless_rows_reach_the_loss`), or ``""``: a forward pass on it
+        adds losses (weight regularisers excluded), or a compiled loss gives no
+        value per row (:func:`keras_tpu._keras_private.losses_not_per_row`).
 
-        Traced once per input shape, for the train and test programs alike.
+        Traced abstractly once per input shape, for the train and test programs alike.
         """
         model = self.model
-        x = _abstract(keras.utils.unpack_x_y_sample_weight(batch)[0])
-        key = jax.tree.structure(x), tuple((a.shape, a.dtype) for a in jax.tree.leaves(x))
-        if key in self._losses_added_in_call:
-            return self._losses_added_in_call[key]
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(_abstract(batch))
+        key = jax.tree.structure((x, y)), tuple((a.shape, a.dtype) for a in jax.tree.leaves((x, y)))
+        if key in self._rows_reach_loss:
+            return self._rows_reach_loss[key]
         added = []
 
         def forward(trainable, non_trainable, x):
@@ -323,12 +330,17 @@ class ReplicatedSteps:
             mapping = list(zip(model.trainable_variables, trainable)) + list(zip(model.non_trainable_variables,
                                                                                  non_trainable))
             with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
-                model(x, training=True)
+                outputs = model(x, training=True)
             added.append(len(scope.losses))
+            return outputs
 
-        jax.eval_shape(forward, _abstract(list(state[0])), _abstract(list(state[1])), x)
-        self._losses_added_in_call[key] = added[0] > 0
-        return added[0] > 0
+        y_pred = jax.eval_shape(forward, _abstract(list(state[0])), _abstract(list(state[1])), x)
+        whole_batch = [] if y is None else _keras_private.losses_not_per_row(model, y, y_pred)
+        why = ("adds losses in call() (add_loss or an activity regularizer)" if added[0] else
+               f"has a loss that gives no value per row ({', '.join(whole_batch)}: the batch's mean, say)"
+               if whole_batch else "")
+        self._rows_reach_loss[key] = why
+        return why
 
     def predict_function(self, steps_per_execution=1):
         """``(state, iterator) -> (outputs, state)``, for ``model.predict_function``."""

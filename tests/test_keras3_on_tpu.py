@@ -1,4 +1,5 @@
-"""Keras 3 code as its users write it, on the simulated TPU (issue #15): losses added in call()."""
+"""Keras 3 code as its users write it, on the simulated TPU (issue #15): losses added in call(), and loss
+functions that return the batch's mean instead of a value per row."""
 
 import contextlib
 import logging
@@ -35,15 +36,14 @@ def data():
     return rng.standard_normal((100, 6)).astype("float32"), rng.standard_normal((100, 2)).astype("float32")
 
 
-@pytest.mark.parametrize("front_end", ["TPUStrategy", "keras_to_tpu_model"])
-def test_losses_added_in_call_are_exact_on_partial_batches(front_end, data, caplog):
-    x, y = data
-    cpu = regularised_model()
+def fits_like_the_cpu(build, front_end, x, y, caplog):
+    """Train and evaluate ``build(scope)``'s model on the TPU (``front_end``, highest precision) and on the CPU, in
+    batches of 32 (the last one partial), and check that they agree; the TPU's log."""
+    cpu = build(None)
     if front_end == "TPUStrategy":
-        tpu = regularised_model(keras_tpu.TPUStrategy(precision="highest").scope())
+        tpu = build(keras_tpu.TPUStrategy(precision="highest").scope())
     else:
-        tpu = keras_tpu.keras_to_tpu_model(regularised_model(),
-                                           keras_tpu.TPUDistributionStrategy(precision="highest"))
+        tpu = keras_tpu.keras_to_tpu_model(build(None), keras_tpu.TPUDistributionStrategy(precision="highest"))
     with caplog.at_level(logging.INFO, logger="keras_tpu"):
         got = tpu.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
     want = cpu.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
@@ -53,9 +53,15 @@ def test_losses_added_in_call_are_exact_on_partial_batches(front_end, data, capl
         np.testing.assert_allclose(a, b, atol=2e-6)
     np.testing.assert_allclose(tpu.evaluate(x, y, batch_size=32, verbose=0),
                                cpu.evaluate(x, y, batch_size=32, verbose=0), rtol=2e-6)
+    return caplog.text
+
+
+@pytest.mark.parametrize("front_end", ["TPUStrategy", "keras_to_tpu_model"])
+def test_losses_added_in_call_are_exact_on_partial_batches(front_end, data, caplog):
+    log = fits_like_the_cpu(regularised_model, front_end, *data, caplog)
     # The partial batch of 4 rows ran on 4 cores, one row each, with no padding row.
-    assert "4 rows do not split evenly over 8" in caplog.text
-    assert "adds losses in call()" in caplog.text
+    assert "4 rows do not split evenly over 8" in log
+    assert "adds losses in call()" in log
 
 
 def test_models_without_losses_in_call_keep_the_padded_program(data, caplog):
@@ -72,7 +78,7 @@ def test_models_without_losses_in_call_keep_the_padded_program(data, caplog):
     assert caplog.text.count("Compiled the TPU train program (global batch 32,") == 1
 
 
-def test_whether_a_model_adds_losses_in_call_is_traced_once_per_input_shape(data, monkeypatch):
+def test_whether_padding_rows_reach_the_loss_is_traced_once_per_batch_shape(data, monkeypatch):
     """The train and test programs ask it alike: a trace of the model costs compile time."""
     import jax
 
@@ -80,7 +86,7 @@ def test_whether_a_model_adds_losses_in_call_is_traced_once_per_input_shape(data
     eval_shape = jax.eval_shape
 
     def counting(fn, *args, **kwargs):
-        if "_adds_losses_in_call" in getattr(fn, "__qualname__", ""):
+        if "_rows_reach_the_loss" in getattr(fn, "__qualname__", ""):
             checks.append(np.shape(args[-1]))
         return eval_shape(fn, *args, **kwargs)
 
@@ -92,6 +98,90 @@ def test_whether_a_model_adds_losses_in_call_is_traced_once_per_input_shape(data
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     model.evaluate(x, y, batch_size=32, verbose=0)  # the test program's inputs have the same shape: known
     assert checks == [(32, 6)]
+
+
+def contrastive_loss(y_true, y_pred):
+    """keras.io's siamese network ("Image similarity estimation using a Siamese Network with a contrastive
+    loss"): the loss of the whole batch, one scalar."""
+    margin = 1.0
+    square_pred = keras.ops.square(y_pred)
+    margin_square = keras.ops.square(keras.ops.maximum(margin - y_pred, 0))
+    return keras.ops.mean((1 - y_true) * square_pred + y_true * margin_square)
+
+
+def distance_model(loss, scope=None):
+    keras.utils.set_random_seed(0)
+    with scope or contextlib.nullcontext():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                                  keras.layers.Dense(1, activation="sigmoid")])
+        model.compile(keras.optimizers.RMSprop(0.01), loss, metrics=["accuracy"])
+    return model
+
+
+@pytest.mark.parametrize("front_end", ["TPUStrategy", "keras_to_tpu_model"])
+def test_a_loss_returning_the_batch_mean_is_exact_on_partial_batches(front_end, data, caplog):
+    """Padding rows would enter the mean such a loss takes itself (and its gradient): it runs without them."""
+    x, _ = data
+    log = fits_like_the_cpu(lambda scope: distance_model(contrastive_loss, scope), front_end, x,
+                            (x[:, :1] > 0).astype("float32"), caplog)
+    assert "has a loss that gives no value per row (contrastive_loss" in log
+    assert "4 rows do not split evenly over 8" in log
+
+
+def test_losses_with_a_value_per_row_keep_the_padded_program(data, caplog):
+    """A function returning one loss per row (or per row and position), and Keras' own losses, are masked."""
+    x, y = data
+
+    def per_row(y_true, y_pred):
+        return keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1)
+
+    for loss in (per_row, "mse", keras.losses.Huber()):
+        keras.utils.set_random_seed(0)
+        with keras_tpu.TPUStrategy().scope():
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
+            model.compile("sgd", loss)
+        with caplog.at_level(logging.INFO, logger="keras_tpu"):
+            model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert "no value per row" not in caplog.text and "without padding rows" not in caplog.text
+
+
+def test_which_losses_give_no_value_per_row_on_several_outputs():
+    """The check follows Keras' pairing of targets and outputs: by name for a dict, one loss per output."""
+    import jax
+
+    from keras_tpu import _keras_private
+
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, {"score": keras.layers.Dense(1, name="score")(inputs),
+                                 "label": keras.layers.Dense(3, name="label")(inputs)})
+    model.compile("sgd", loss={"score": contrastive_loss, "label": "sparse_categorical_crossentropy"})
+    x = np.zeros((16, 4), "float32")
+    y = {"score": np.zeros((16, 1), "float32"), "label": np.zeros((16,), "int32")}
+    model.evaluate(x, y, verbose=0)  # builds the compiled loss
+    y_pred = jax.eval_shape(lambda: model(x))
+    assert _keras_private.losses_not_per_row(model, y, y_pred) == ["contrastive_loss"]
+    model.compile("sgd", loss={"score": "mse", "label": "sparse_categorical_crossentropy"})
+    model.evaluate(x, y, verbose=0)
+    assert _keras_private.losses_not_per_row(model, y, y_pred) == []
+
+
+def test_models_loaded_or_cloned_after_a_strategy_scope_come_back_compiled(tmp_path, recwarn):
+    """keras-tpu's hook on Keras' compile (which tells a strategy scope which models are compiled in it) must not
+    look like a model's own compile to Keras, which then skips compiling what load_model and clone_model return
+    (keras.io's timeseries classifier reloads its best ModelCheckpoint so, after training)."""
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((16, 4)).astype("float32"), rng.standard_normal((16, 1)).astype("float32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("adam", "mse")
+    model.fit(x, y, verbose=0)
+    model.save(tmp_path / "plain.keras")
+    with keras_tpu.TPUStrategy().scope():
+        pass
+    loaded = keras.models.load_model(tmp_path / "plain.keras")
+    assert loaded.compiled and loaded.optimizer is not None
+    np.testing.assert_allclose(loaded.evaluate(x, y, verbose=0), model.evaluate(x, y, verbose=0), rtol=1e-6)
+    assert keras.models.clone_model(model).compiled
+    assert not [w for w in recwarn if "compile() was not called" in str(w.message)]
 
 
 def test_log_lines_start_on_a_line_of_their_own_beside_the_progress_bar(tmp_path):
