@@ -3,9 +3,13 @@
 A TPU program is compiled for fixed shapes, so keras-tpu pads every batch to
 the same *global batch*: the largest batch seen, rounded up to a multiple of
 the number of cores (a batch of 100 on 8 cores runs as 8 x 13 rows). Padding
-rows are zeros and carry a mask of 0, which keeps them out of the loss,
-gradients, metrics and predictions. The last, partial batch of an epoch
-therefore reuses the same compiled program.
+rows carry a mask of 0, which keeps them out of the loss, gradients, metrics
+and predictions. The last, partial batch of an epoch therefore reuses the same
+compiled program. A padding row is a copy of the batch's first row, not zeros:
+a row of zero token ids is entirely masked (``Embedding(mask_zero=True)``,
+``Masking``), and a mask-aware average over it (``GlobalAveragePooling1D``)
+divides 0 by 0; a weight of 0 cannot keep that NaN out of the loss or the
+gradients (0 times NaN), and a copy of a real row computes what that row does.
 
 Several steps per device call (``steps_per_execution``) are stacked along
 axis 1, so that axis 0 is always the rows that are split over the cores. Only
@@ -92,9 +96,11 @@ class BatchStacker:
             first = np.asarray(leaves[0])
             if steps == 1 and len(first) == padded:  # one full batch: a view with a steps axis, no copy
                 return first[:, None]
-            out = np.zeros((padded, steps) + first.shape[1:], dtype=first.dtype)
+            out = np.empty((padded, steps) + first.shape[1:], dtype=first.dtype)
             for step, leaf in enumerate(leaves):
-                out[:len(leaf), step] = np.asarray(leaf)
+                leaf = np.asarray(leaf)
+                out[:len(leaf), step] = leaf
+                out[len(leaf):, step] = leaf[:1]  # padding rows: copies of the batch's first row (see module doc)
             return out
 
         data = structure.unflatten([stack_leaf(leaves) for leaves in zip(*(leaves for leaves, _ in flat))])

@@ -143,7 +143,10 @@ class CustomSteps:
                 trainable, non_trainable = state
 
                 def core_predict(data, core_id):
-                    return model.predict_step((trainable, non_trainable), data)
+                    # Keras 3's JAX predict_step returns (outputs, non-trainable variables); prediction keeps the
+                    # state it was given, as Keras' does.
+                    outputs, _ = model.predict_step((trainable, non_trainable), data)
+                    return outputs
 
                 outputs = jax.vmap(core_predict, in_axes=(0, 0), axis_name=CORE_AXIS)(split(data), core_ids)
                 return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), outputs), state

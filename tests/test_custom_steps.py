@@ -444,3 +444,37 @@ def test_own_steps_at_the_default_precision_read_weight_copies_with_the_same_num
     for a, b in zip(with_copies[1], without[1]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(with_copies[2], without[2], rtol=1e-5)
+
+
+class OwnPredictStep(keras.Model):
+    """A predict_step in Keras 3's JAX signature: it returns ``(outputs, non_trainable_variables)``, here a dict."""
+
+    def predict_step(self, state, data):
+        trainable_variables, non_trainable_variables = state
+        x = data[0] if isinstance(data, tuple) else data
+        y, non_trainable_variables = self.stateless_call(trainable_variables, non_trainable_variables, x,
+                                                         training=False)
+        return {"score": y, "double": 2.0 * y}, non_trainable_variables
+
+
+@pytest.mark.parametrize("front_end", ["TPUStrategy", "keras_to_tpu_model"])
+def test_an_own_predict_step_returns_its_outputs_as_on_the_cpu(front_end):
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        h = keras.layers.BatchNormalization()(keras.layers.Dense(8)(inputs))
+        model = OwnPredictStep(inputs, keras.layers.Dense(2)(h))
+        model.compile("sgd", "mse")
+        return model
+
+    x = np.random.default_rng(0).standard_normal((20, 4)).astype("float32")  # 20 rows: a partial batch of 4
+    want = build().predict(x, batch_size=16, verbose=0)
+    if front_end == "TPUStrategy":
+        with keras_tpu.TPUStrategy(precision="highest").scope():
+            tpu = build()
+    else:
+        tpu = keras_tpu.keras_to_tpu_model(build(), keras_tpu.TPUDistributionStrategy(precision="highest"))
+    got = tpu.predict(x, batch_size=16, verbose=0)
+    assert isinstance(got, dict) and sorted(got) == ["double", "score"]
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6)

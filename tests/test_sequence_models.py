@@ -116,3 +116,68 @@ def test_profile_of_a_model_with_a_loss_per_time_step():
     layers = {row["layer"] for row in report.rows("train")}
     assert any(name.startswith("lstm") for name in layers) and any("time_distributed" in n for n in layers)
     assert report.step_time("train") > report.step_time("inference") > 0
+
+
+def padded_token_rows(rows, length=10, real=7, vocab=40, seed=0):
+    """Token rows padded with id 0 after ``real`` tokens, as a text pipeline pads them; binary labels."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(1, vocab, (rows, length)).astype("int32")
+    x[:, real:] = 0
+    return x, rng.integers(0, 2, (rows, 1)).astype("float32")
+
+
+@pytest.mark.parametrize("masking", ["mask_zero", "Masking"])
+def test_a_masked_average_trains_exactly_on_partial_batches(masking):
+    """keras.io's text classifiers average masked tokens (GlobalAveragePooling1D after Embedding(mask_zero=True),
+    or after Masking). A padding row of zero tokens is entirely masked and its average is 0/0: padding rows must
+    not be such rows, or the loss and the weights turn into NaN."""
+    x, y = padded_token_rows(100)
+    if masking == "Masking":  # feature vectors, zero at the padded steps
+        x = np.where(x[..., None] > 0, np.random.default_rng(1).standard_normal((100, 10, 4)), 0).astype("float32")
+
+    def build():
+        keras.utils.set_random_seed(0)
+        if masking == "mask_zero":
+            inputs = keras.Input((10,), dtype="int32")
+            h = keras.layers.Embedding(40, 8, mask_zero=True)(inputs)
+        else:
+            inputs = keras.Input((10, 4))
+            h = keras.layers.Masking(0.0)(inputs)
+        h = keras.layers.GlobalAveragePooling1D()(h)
+        model = keras.Model(inputs, keras.layers.Dense(1, activation="sigmoid")(h))
+        model.compile("adam", "binary_crossentropy", metrics=["accuracy"])
+        return model
+
+    cpu, tpu = build(), on_tpu(build())
+    # 100 rows in batches of 32: the last batch of 4 rows is padded to 32.
+    np.testing.assert_allclose(tpu.evaluate(x, y, batch_size=32, verbose=0),
+                               cpu.evaluate(x, y, batch_size=32, verbose=0), rtol=1e-6)
+    got = tpu.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history["loss"]
+    want = cpu.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert_weights_close(tpu.get_weights(), cpu.get_weights(), atol=1e-6)
+
+
+def test_a_loss_masked_per_token_on_partial_batches():
+    """A per-token loss under Embedding(mask_zero=True): Keras divides by the valid tokens, which the padding rows
+    (copies of a real row, see keras_tpu._batching) must not change. Exact here, where every row has as many
+    valid tokens; a batch smaller than the program's global batch is padded the same way."""
+    rng = np.random.default_rng(0)
+    x, _ = padded_token_rows(64, length=12, real=8, vocab=50)
+    y = rng.integers(0, 11, (64, 12)).astype("int32")
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((12,), dtype="int32")
+        h = keras.layers.Embedding(50, 16, mask_zero=True)(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(11, activation="softmax")(h))
+        model.compile("sgd", "sparse_categorical_crossentropy")
+        return model
+
+    cpu, tpu = build(), on_tpu(build())
+    for batch_size in (64, 32, 24, 8):  # the program stays at the first call's global batch of 64
+        np.testing.assert_allclose(tpu.evaluate(x, y, batch_size=batch_size, verbose=0),
+                                   cpu.evaluate(x, y, batch_size=batch_size, verbose=0), rtol=1e-6)
+    tpu.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0)
+    cpu.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(tpu.get_weights(), cpu.get_weights(), atol=1e-6)
