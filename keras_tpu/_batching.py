@@ -100,7 +100,8 @@ class BatchStacker:
             for step, leaf in enumerate(leaves):
                 leaf = np.asarray(leaf)
                 out[:len(leaf), step] = leaf
-                out[len(leaf):, step] = leaf[:1]  # padding rows: copies of the batch's first row (see module doc)
+                # Padding rows: copies of the batch's first row (see module doc); zeros if it has none.
+                out[len(leaf):, step] = leaf[:1] if len(leaf) else 0
             return out
 
         data = structure.unflatten([stack_leaf(leaves) for leaves in zip(*(leaves for leaves, _ in flat))])

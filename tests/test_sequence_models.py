@@ -181,3 +181,19 @@ def test_a_loss_masked_per_token_on_partial_batches():
     tpu.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0)
     cpu.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0)
     assert_weights_close(tpu.get_weights(), cpu.get_weights(), atol=1e-6)
+
+
+def test_padding_rows_copy_the_batch_s_first_row():
+    """Padding rows repeat a real row (never an all-masked row of zeros), with a mask of 0; a step without rows is
+    zeros."""
+    from keras_tpu._batching import BatchStacker
+
+    tokens = np.array([[3, 4, 0], [5, 0, 0], [6, 7, 8]], dtype="int32")
+    stacked = BatchStacker(num_cores=8, steps=2).stack([(tokens, np.ones(3)), (tokens[:0], np.ones(0))])
+    x, y = stacked.data
+    assert x.shape == (8, 2, 3) and y.shape == (8, 2)
+    np.testing.assert_array_equal(x[:3, 0], tokens)
+    np.testing.assert_array_equal(x[3:, 0], np.repeat(tokens[:1], 5, axis=0))
+    assert not x[:, 1].any() and not y[:, 1].any()
+    np.testing.assert_array_equal(stacked.mask[:, 0], [1, 1, 1, 0, 0, 0, 0, 0])
+    assert not stacked.mask[:, 1].any()
