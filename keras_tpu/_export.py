@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from keras_tpu import _files
+from keras_tpu.mxu import _kernels as kernels
 
 ARTIFACT = "inference.jaxexport"
 WEIGHTS = "weights.npz"
@@ -96,7 +97,6 @@ class ExportedModel:
             self.meta = json.load(f)
         with open(os.path.join(path, ARTIFACT), "rb") as f:
             self.exported = jax.export.deserialize(bytearray(f.read()))
-        from keras_tpu.mxu import _kernels as kernels
         # Compiled as keras-tpu's own programs are: XLA's default would let it drop the MXU's bf16 roundings
         # where it fuses them with a reduction (see keras_tpu.mxu._kernels.compiler_options).
         self._predict = jax.jit(self.exported.call, compiler_options=kernels.compiler_options("predict"))
