@@ -16,7 +16,15 @@ them with a TPU's semantics, as TensorFlow's ``TPUStrategy`` does:
 * **Metric states are combined across cores** (their per-core increments are
   summed: Keras' metric states are sums and counts), and the logs are the
   metrics' results on the combined states; other logged values are averaged
-  over the cores. Moving statistics are averaged over the cores.
+  over the cores. Moving statistics are averaged over the cores. A metric
+  updated with one value per step (a scalar: keras.io's ``Mean`` loss
+  trackers) counts steps, not rows: a step on fewer cores than the TPU has
+  (see below) adds as much as a full step, as the step does on the CPU.
+* **A loss added per row** (``add_loss`` of a vector with one value per row,
+  as keras.io's CTC layers add ``ctc_batch_cost``) is summed by Keras over
+  the batch; each core's sum counts in full (times the cores the step runs
+  on, whose mean the optimizer and the loss log take). A scalar added loss
+  (a mean, as Keras' activity regularizers add) is averaged over the cores.
 * **No padding row reaches the user's code**, which cannot know our masks: a
   batch whose rows do not split evenly over the cores (a partial last batch,
   or ``batch_size=100``) runs on the largest number of cores that divides it
@@ -105,6 +113,26 @@ def _metric_results_recorded(model, recorded):
     return _shadowed(model.metrics, "stateless_result", wrap)
 
 
+def _metric_updates_recorded(model, scalar_updates):
+    """While tracing a core's step: note, for each of the model's metrics the step updates, whether every
+    update was one unweighted value (a scalar): ``scalar_updates[id(metric)]``.
+
+    Such a metric (keras.io's ``loss_tracker = keras.metrics.Mean()`` of the step's loss) counts steps; one
+    updated with a value per row (``MeanAbsoluteError(y, y_pred)``) or weighted by the rows (Keras' own
+    loss tracker: the loss, weighted by the batch's row count) counts rows. ``stateless_update_state``
+    calls ``update_state``, so both are seen.
+    """
+    def wrap(metric, original):
+        def update_state(*args, **kwargs):
+            weighted = len(args) > 1 or kwargs.get("sample_weight") is not None
+            scalar = not weighted and all(jnp.ndim(a) == 0 for a in jax.tree.leaves((args, kwargs)))
+            scalar_updates[id(metric)] = scalar_updates.get(id(metric), True) and scalar
+            return original(*args, **kwargs)
+        return update_state
+
+    return _shadowed(model.metrics, "update_state", wrap)
+
+
 def _rows(data):
     leaves = [leaf for leaf in tree.flatten(data) if leaf is not None]
     return int(jnp.shape(leaves[0])[0]) if leaves else 0
@@ -155,12 +183,21 @@ class CustomSteps:
             metrics_values = state[-1]
 
             log_sources = {}  # log key -> the metric whose result it holds (found while tracing)
+            scalar_updates = {}  # id(metric) -> whether the step updates it with one value (found while tracing)
 
             def core_step(data, core_id):
                 seeded = builder._offset_seeds(non_trainable, core_id, +1)
                 core_state = (state[0], seeded) + tuple(state[2:])
                 recorded = []
-                with gradients_averaged_over_cores(), _metric_results_recorded(model, recorded):
+                core_rows = _rows(data)
+
+                def added_loss(added, total):  # one value per row: Keras' sum over the batch is the cores' sum
+                    per_row = jnp.ndim(added) >= 1 and jnp.shape(added)[0] == core_rows
+                    return total * cores if per_row else total
+
+                with gradients_averaged_over_cores(), _metric_results_recorded(model, recorded), \
+                        _metric_updates_recorded(model, scalar_updates), \
+                        _keras_private.added_losses_transformed(model, added_loss):
                     logs, new_state = (model.train_step if mode == "train" else model.test_step)(core_state, data)
                 for key, value in logs.items():
                     log_sources.update({key: name for result, name in recorded if result is value})
@@ -171,8 +208,16 @@ class CustomSteps:
             logs, new_state = jax.vmap(core_step, in_axes=(0, 0), axis_name=CORE_AXIS)(split(data), core_ids)
             share = jnp.full((cores,), 1.0 / cores, jnp.float32)
             combined_non_trainable = builder._combine_non_trainable(non_trainable, new_state[1], share)
-            combined_metrics = [old + jnp.sum(new - old, axis=0) if jnp.issubdtype(new.dtype, jnp.number) else new[0]
-                                for old, new in zip(metrics_values, new_state[-1])]
+            # A metric counting steps gets a full step's increment from a step on fewer cores: the cores' mean
+            # increment times the TPU's cores (a step on all of them adds each core's: the same).
+            per_step = [self.layout.num_cores / cores if scalar_updates.get(id(metric)) else 1.0
+                        for metric in model.metrics for _ in metric.variables]
+            if len(per_step) != len(metrics_values):  # (not the model's metrics_variables: sum them as they are)
+                per_step = [1.0] * len(metrics_values)
+            combined_metrics = [
+                (old + (jnp.sum(new - old, axis=0) * factor).astype(old.dtype) if factor != 1.0 else
+                 old + jnp.sum(new - old, axis=0)) if jnp.issubdtype(new.dtype, jnp.number) else new[0]
+                for old, new, factor in zip(metrics_values, new_state[-1], per_step)]
             # Replicated state (weights, optimizer slots) is the same on every core: keep one copy.
             out_state = (jax.tree.map(lambda a: a[0], new_state[0]), combined_non_trainable)
             if mode == "train":

@@ -7,6 +7,20 @@
 * ``loss_reductions``: how each compiled loss reduces over the batch (the
   ``Loss`` objects built inside ``CompileLoss``), needed to mask padded rows
   exactly.
+* ``losses_summed``: a loss reduced with ``"mean_with_sample_weight"`` divides
+  each core's sum by that core's weight sum, which no sample weight can turn
+  into the batch's weighted mean; the step sums instead (the ``reduction`` of
+  the user's ``Loss`` objects, set for the duration of the step's trace) and
+  divides through the sample weights.
+* ``added_losses_transformed``: Keras sums each loss added in ``call``
+  (``Trainer._aggregate_additional_loss``); a loss added per row (a vector,
+  as keras.io's CTC layers add) summed on each core must count each core's
+  sum, not the cores' mean.
+* ``keras_masks``, ``with_keras_masks`` and ``without_keras_masks``: the
+  masks Keras attaches to a layer's outputs (``backend.get_keras_mask``; a JAX
+  array carries it as an attribute) reach the loss, which counts the valid
+  positions of the rows it is given, padding rows' included, and the
+  evaluation's metrics; outputs mapped over the cores come back without them.
 * ``losses_not_per_row``: which compiled losses give no value per row (a
   custom loss function that returns the batch's mean, say), whose padding
   rows no mask can keep out; Keras builds its ``Loss`` objects and the paths
@@ -62,6 +76,7 @@ import threading
 import jax
 import keras
 from keras import StatelessScope
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 from keras.src.legacy.saving import legacy_h5_format as legacy_h5  # noqa: F401  (re-exported)
 from keras.src.trainers.trainer import Trainer
 
@@ -85,10 +100,89 @@ def loss_reductions(model):
     compiled = getattr(model, "_compile_loss", None)
     flat = getattr(compiled, "_flat_losses", None)
     if flat:
-        return [getattr(entry.loss, "reduction", None) for entry in flat]
+        return [_summed_losses.get(id(entry.loss), getattr(entry.loss, "reduction", None)) for entry in flat]
     user_losses = [loss for loss in keras.tree.flatten(getattr(compiled, "_user_loss", None)) if loss is not None]
-    return [getattr(loss, "reduction", None) if isinstance(loss, keras.losses.Loss) else "sum_over_batch_size"
-            for loss in user_losses]
+    return [_summed_losses.get(id(loss), loss.reduction) if isinstance(loss, keras.losses.Loss)
+            else "sum_over_batch_size" for loss in user_losses]
+
+
+_summed_losses = {}  # id(loss) -> its own reduction, while losses_summed has it summing
+
+
+@contextlib.contextmanager
+def losses_summed(model, reduction="mean_with_sample_weight"):
+    """Within the block, the compiled losses of ``model`` reduced with ``reduction`` sum their weighted values.
+
+    Only ``Loss`` objects the user compiled can have such a reduction (Keras
+    wraps names and functions with ``"sum_over_batch_size"``); Keras' compiled
+    loss uses those same objects. :func:`loss_reductions` still reports their
+    own reduction. Yields whether any loss was changed.
+
+    Example:
+        >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        >>> loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
+        >>> model.compile(loss=loss)
+        >>> with losses_summed(model):
+        ...     loss.reduction, loss_reductions(model)
+        ('sum', ['mean_with_sample_weight'])
+        >>> loss.reduction
+        'mean_with_sample_weight'
+    """
+    compiled = getattr(model, "_compile_loss", None)
+    flat = getattr(compiled, "_flat_losses", None)
+    losses = ([entry.loss for entry in flat] if flat else
+              keras.tree.flatten(getattr(compiled, "_user_loss", None)))
+    changed = [loss for loss in losses if isinstance(loss, keras.losses.Loss) and loss.reduction == reduction]
+    for loss in changed:
+        loss.reduction = "sum"
+        _summed_losses[id(loss)] = reduction  # loss_reductions still reports it
+    try:
+        yield bool(changed)
+    finally:
+        for loss in changed:
+            loss.reduction = reduction
+            _summed_losses.pop(id(loss), None)
+
+
+@contextlib.contextmanager
+def added_losses_transformed(model, transform):
+    """Within the block, each loss added to ``model`` (``add_loss``, regularizers) is aggregated as
+    ``transform(loss, Keras' aggregate)``; ``loss`` is the value added, before Keras sums it.
+
+    Example:
+        >>> model = keras.Sequential([keras.Input((2,)), keras.layers.ActivityRegularization(l1=1.0)])
+        >>> model.compile(loss="mse")
+        >>> x = keras.ops.ones((4, 2))
+        >>> y_pred = model(x)   # adds l1 * mean(sum |x|) = 2.0; the mse is 0
+        >>> with added_losses_transformed(model, lambda added, total: total * 10):
+        ...     float(model.compute_loss(x, x, y_pred))
+        20.0
+    """
+    original = model._aggregate_additional_loss
+    model.__dict__["_aggregate_additional_loss"] = lambda loss: transform(loss, original(loss))
+    try:
+        yield
+    finally:
+        model.__dict__.pop("_aggregate_additional_loss", None)
+
+
+def keras_masks(outputs):
+    """The Keras mask of each output in ``keras.tree.flatten(outputs)`` (``None`` where it has none)."""
+    return [get_keras_mask(output) for output in keras.tree.flatten(outputs)]
+
+
+def with_keras_masks(outputs, masks):
+    """``outputs`` with the Keras mask of each (flattened) output set to ``masks``' (``None``: as it is), in
+    place, as Keras' layers set them: a step that maps its cores returns new arrays, without their masks."""
+    for output, mask in zip(keras.tree.flatten(outputs), masks):
+        if mask is not None:
+            set_keras_mask(output, mask.astype(bool))
+    return outputs
+
+
+def without_keras_masks(outputs):
+    """``outputs`` as new arrays without Keras masks (multiplied by one, which XLA removes)."""
+    return keras.tree.map_structure(lambda a: a * 1 if get_keras_mask(a) is not None else a, outputs)
 
 
 def losses_not_per_row(model, y, y_pred):
@@ -152,7 +246,8 @@ def update_metrics(model, metrics_values, loss, real_rows, x, y, y_pred, row_mas
     ``row_mask`` is 1 for real rows and 0 for padding; ``sample_weight`` is
     the user's sample weight times that mask. Multi-output models' per-output
     loss trackers are updated by re-evaluating the compiled loss with
-    ``loss_sample_weight``. Returns ``(logs, new values)``.
+    ``loss_sample_weight`` (which holds the outputs' Keras masks: the outputs
+    are given without them). Returns ``(logs, new values)``.
     """
     mapping = list(zip(model.metrics_variables, metrics_values))
     with StatelessScope(state_mapping=mapping) as scope:
@@ -175,7 +270,7 @@ def _update_per_output_loss_trackers(model, mapping, y, y_pred, loss_sample_weig
     # CompileLoss updates each output's Mean tracker with the padded row count as its weight; its value
     # (the real rows' mean, thanks to loss_sample_weight) must count for the real rows only. A Mean's
     # state (total, count) is linear in that weight, so scaling the step's increment is exact.
-    model._compile_loss(y, y_pred, loss_sample_weight)
+    model._compile_loss(y, without_keras_masks(y_pred), loss_sample_weight)  # the weights hold the masks
     padded_rows = keras.tree.flatten(y_pred)[0].shape[0]
     old_values = {id(variable): value for variable, value in mapping}
     for tracker in model._compile_loss.metrics:
@@ -191,9 +286,14 @@ def _update_compiled_metrics(compiled, y, y_pred, row_mask, sample_weight):
         compiled.build(y, y_pred)
     flat_y, flat_pred = compiled._flatten_y(y), compiled._flatten_y(y_pred)
     for metric, y_t, y_p in zip(compiled._flat_metrics, flat_y, flat_pred):
-        if metric:  # the row mask, shaped like the metric's per-element values (per time step, say)
+        if metric:  # the row mask, as the metric's per-element values (per time step or pixel, say)
             rank = max(1, len(y_p.shape) - 1)
-            metric.update_state(y_t, y_p, sample_weight=row_mask.reshape(row_mask.shape + (1,) * (rank - 1)))
+            # Broadcast in full: IoU metrics flatten their weight to the flattened targets' length. A metric
+            # counting in integers (IoU's confusion matrix) gets the 0/1 mask as integers.
+            weight = keras.ops.broadcast_to(row_mask.reshape(row_mask.shape + (1,) * (rank - 1)), y_p.shape[:rank])
+            for one in getattr(metric, "metrics", [metric]):  # (Keras' MetricsList of the output's metrics)
+                counts_in = getattr(one, "dtype", None) if "int" in str(getattr(one, "dtype", "")) else weight.dtype
+                one.update_state(y_t, y_p, sample_weight=keras.ops.cast(weight, counts_in))
     weights = compiled._flatten_y(sample_weight)
     if len(weights) < len(flat_y):
         weights = [weights[0]] * len(flat_y)

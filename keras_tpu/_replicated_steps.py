@@ -20,11 +20,14 @@ see :mod:`keras_tpu._cores`):
    The optimizer update then runs once, on one copy of the weights.
 3. Padding rows (see :mod:`keras_tpu._batching`) get sample weight 0, and the
    real rows a weight chosen so that the mean over cores equals the loss of
-   the real rows alone: ``global_rows / real_rows`` for losses averaged over
-   the batch (``sum_over_batch_size``), ``cores`` for ``sum``. Losses with
-   ``mean_with_sample_weight`` are averaged per core, as on a TPU. The
-   weights take the shape of the loss (one per row and time step for
-   sequence outputs), so any output rank works.
+   the real rows alone, as Keras computes it for the whole batch on the CPU:
+   ``global_rows / real_rows`` for losses averaged over the batch
+   (``sum_over_batch_size``), each core's valid positions over the real
+   rows' where an output's Keras mask reaches its loss, ``cores`` for
+   ``sum``; ``mean_with_sample_weight`` losses are summed and divided by the
+   real rows' weight (see ``ReplicatedSteps._sample_weights``). The weights
+   take the shape of the loss (one per row and time step for sequence
+   outputs), so any output rank works.
 4. **BatchNormalization** normalises each core's rows with that core's batch
    statistics (as on a real TPU); the moving statistics are then averaged
    over the cores, weighted by each core's real rows (a core holding only
@@ -47,12 +50,14 @@ steps runs instead (compiled once per count): inactive steps cost nothing.
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import time
 
 import jax
 import jax.numpy as jnp
 import keras
+import numpy as np
 from jax import lax
 from keras import tree
 
@@ -75,6 +80,17 @@ MERGED, LOOPED = "merged", "looped"
 
 #: Compiles programs in the background while the caller estimates their HBM footprint (see _Program._executable).
 _COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="keras-tpu-compile")
+
+
+def _losses_summed(step):
+    """A step method during whose trace the model's ``"mean_with_sample_weight"`` losses sum (see
+    ``ReplicatedSteps._sample_weights``)."""
+    @functools.wraps(step)
+    def step_with_losses_summed(self, *args):
+        with _keras_private.losses_summed(self.model):
+            return step(self, *args)
+
+    return step_with_losses_summed
 
 
 def program_rule(precision, on_mxu=True):
@@ -286,9 +302,11 @@ class ReplicatedSteps:
         models run Keras' own step on the cores without padding instead
         (:mod:`keras_tpu._custom_steps`: a batch that does not split evenly
         over the cores runs on the most cores that divide it), which is exact
-        for losses averaged over the rows, as Keras' activity regularisers are:
-        the cores' mean of their rows' means is the batch's. Decided on the
-        first batch, whose shapes the check traces (no compute).
+        for losses averaged over the rows, as Keras' activity regularisers are
+        (the cores' mean of their rows' means is the batch's), and for losses
+        added per row, which Keras sums (each core's sum counts in full, see
+        :mod:`keras_tpu._custom_steps`). Decided on the first batch, whose
+        shapes the check traces (no compute).
         """
         chosen = []
 
@@ -446,9 +464,7 @@ class ReplicatedSteps:
         run faster at a core's batch: MobileNet evaluated 512 images in
         154-196 ms with its cores in a loop, 325 ms merged (89 ms looped since
         its pointwise convolutions run as products).
-        A test or training program also needs losses averaged over rows or
-        summed (the mean of per-core weighted means, ``mean_with_sample_weight``,
-        differs). A training step merges its cores' rows only where they are
+        A training step merges its cores' rows only where they are
         independent in training too (:func:`rows_independent_in_training`: no
         BatchNormalization, no dropout) and it has no convolutions; it then
         skips the core axis XLA would compile and run through every op: the
@@ -466,10 +482,6 @@ class ReplicatedSteps:
                 groups > 1 for groups in self._convolution_groups(trainable, non_trainable, x))
         if not self._rows_independent:
             return False
-        if mode != "predict":
-            reductions = set(_keras_private.loss_reductions(self.model))
-            if not reductions <= {"sum_over_batch_size", "sum"}:
-                return False
         if mode == "train":
             if self._rows_independent_in_training is None:
                 self._rows_independent_in_training = rows_independent_in_training(self.user_model)
@@ -493,7 +505,8 @@ class ReplicatedSteps:
 
     def _core_forward(self, trainable, non_trainable, x):
         """What one core's forward pass on its rows of ``x`` produces and runs: ``(output shapes, convolution
-        groups)``, the ``feature_group_count`` of each of its convolutions.
+        groups, masked outputs)``: the ``feature_group_count`` of each of its convolutions, and whether each
+        output (flattened) carries a Keras mask.
 
         Traced abstractly once per input shape (nothing runs) and shared by
         the train and test programs: each trace of a large model costs a
@@ -503,12 +516,18 @@ class ReplicatedSteps:
         key = jax.tree.structure(core_rows), tuple((a.shape, a.dtype) for a in jax.tree.leaves(core_rows))
         if key not in self._core_forwards:
             kwargs = _keras_private.inference_kwargs(self.model)
-            forward, output_shapes = jax.make_jaxpr(
-                lambda: self.model.stateless_call(trainable, non_trainable, core_rows, **kwargs)[0],
-                return_shape=True)()
+            masked = []
+
+            def forward():
+                outputs = self.model.stateless_call(trainable, non_trainable, core_rows, **kwargs)[0]
+                masked.extend(mask is not None for mask in _keras_private.keras_masks(outputs))
+                return outputs
+
+            forward, output_shapes = jax.make_jaxpr(forward, return_shape=True)()
             groups = tuple(found.eqn.params["feature_group_count"] for found in
                            rewrite.walk(forward, lambda e: e.primitive is lax.conv_general_dilated_p))
-            self._core_forwards[key] = output_shapes, groups  # shapes only: no tracer outlives its trace
+            # shapes only: no tracer outlives its trace
+            self._core_forwards[key] = output_shapes, groups, tuple(masked)
         return self._core_forwards[key]
 
     def _traced_once(self, name, fn, *args):
@@ -574,42 +593,110 @@ class ReplicatedSteps:
         """The shapes of the model's outputs for one core's rows of ``x`` (traced abstractly, no compute)."""
         return self._core_forward(trainable, non_trainable, x)[0]
 
-    def _sample_weights(self, mask, sample_weight, real_rows, output_shapes, units):
-        """Per-element weights for the loss (padding excluded, rescaled) and for the metrics (padding excluded).
-
-        ``mask`` holds this device's rows; the loss is computed by ``units`` parts
-        (cores in training, devices in evaluation) whose mean is reported. Each
-        weight has the rank of its output's per-element loss (see :func:`loss_rank`),
-        so a padding row is masked at every time step of a sequence output.
-        """
-        global_rows = mask.shape[0] * self.layout.num_devices
+    def _loss_reduction(self):
+        """How the model's compiled losses reduce over a batch, for :meth:`_sample_weights`: ``"sum"``,
+        ``"mean_with_sample_weight"``, or ``"sum_over_batch_size"`` (Keras' default, also for a mix)."""
         reductions = set(_keras_private.loss_reductions(self.model))
         if reductions and reductions <= {"sum"}:
-            scale = jnp.float32(units)
-        elif reductions == {"mean_with_sample_weight"}:
-            scale = jnp.float32(1.0)
-        else:
-            scale = global_rows / jnp.maximum(real_rows, 1).astype(jnp.float32)
+            return "sum"
+        if reductions == {"mean_with_sample_weight"}:
+            return "mean_with_sample_weight"
+        return "sum_over_batch_size"
 
-        def weigh(sw, shape):
-            if sw is None:
-                row_weight = _weight_like(mask, loss_rank(shape.shape))
-                return row_weight * scale, row_weight
-            sw = jnp.asarray(sw, jnp.float32)
-            sw = sw * _weight_like(mask, sw.ndim)
-            return sw * scale, sw
+    def _output_masks(self, trainable, non_trainable, x):
+        """The Keras mask of each (flattened) output for this device's rows of ``x``, as float32 (``None`` for an
+        output without one); ``None`` when no output has one.
+
+        Each core's forward pass on its rows, traced again for the masks alone:
+        XLA keeps only what they are computed from (usually a comparison of the
+        inputs, ``Embedding(mask_zero=True)``'s or ``Masking``'s).
+        """
+        if not any(self._core_forward(trainable, non_trainable, x)[2]):
+            return None
+        kwargs = _keras_private.inference_kwargs(self.model)
+
+        def core_masks(core_rows):
+            outputs = self.model.stateless_call(trainable, non_trainable, core_rows, **kwargs)[0]
+            return [None if m is None else m.astype(jnp.float32) for m in _keras_private.keras_masks(outputs)]
+
+        layout = self.layout
+        return layout.merge_cores(layout.map_cores(core_masks, in_axes=0)(layout.split_cores(x)))
+
+    def _sample_weights(self, mask, sample_weight, real_rows, output_shapes, units, output_masks=None):
+        """Per-element weights for the loss (padding excluded, rescaled), the metrics (padding excluded) and
+        the per-output loss trackers: ``(loss, metric, tracker)``.
+
+        ``mask`` holds this device's rows (1 real, 0 padding). The loss is
+        computed by ``units`` parts (cores in training, devices in
+        evaluation), whose mean is reported and differentiated; the loss
+        weights make that mean the loss of the real rows alone, as Keras
+        computes it for the batch on the CPU:
+
+        * ``"sum"``: the user's weight times ``units``.
+        * ``"sum_over_batch_size"``: Keras divides a part's weighted sum by the
+          positions it counts (its rows' positions, padding rows' included, or
+          the valid positions of the output's Keras mask, ``output_masks``);
+          the weight multiplies by ``units`` times that count over the count
+          of the real rows.
+        * ``"mean_with_sample_weight"``: summed within the step instead
+          (:func:`keras_tpu._keras_private.losses_summed`: a part's weighted
+          mean cannot be reweighted), and divided by the real rows' weight.
+
+        The trackers re-evaluate the loss on the whole batch (one part)
+        without Keras masks, so theirs hold the mask. Each weight has the rank
+        of its output's per-element loss (see :func:`loss_rank`), so a padding
+        row is masked at every time step of a sequence output.
+        """
+        layout = self.layout
+        reduction = self._loss_reduction()
+        parts = units // layout.num_devices  # the parts on this device: its cores, or itself
+        global_rows = mask.shape[0] * layout.num_devices
+        real_rows = jnp.maximum(real_rows, 1).astype(jnp.float32)
+
+        def per_row(values, ndim):  # (rows,) -> (rows, 1, ...) of rank ndim
+            return _weight_like(values, ndim)
+
+        def weigh(sw, shape, keras_mask):
+            rank = loss_rank(shape.shape)
+            positions = float(np.prod(shape.shape[1:rank], dtype=np.int64))  # per row, unmasked
+            user = None if sw is None else jnp.asarray(sw, jnp.float32)
+            w = per_row(mask, rank) if user is None else user * per_row(mask, user.ndim)
+            if keras_mask is not None and (keras_mask.ndim != rank or w.ndim > rank):
+                keras_mask = None  # a mask Keras broadcasts its own way: counted as unmasked
+            masked = w if keras_mask is None else w.reshape(w.shape + (1,) * (rank - w.ndim)) * keras_mask
+            if reduction == "sum":
+                return w * units, w, masked
+            if reduction == "mean_with_sample_weight":
+                if user is None:  # Keras divides by the positions it counts
+                    total = real_rows * positions if keras_mask is None else layout.device_sum(jnp.sum(masked))
+                else:
+                    total = layout.device_sum(jnp.sum(masked))
+                total = jnp.where(total == 0, 1.0, total)  # divide_no_nan, as Keras
+                return w * (units / total), w, masked / total
+            if keras_mask is None:  # every part counts rows x positions
+                return w * (global_rows / real_rows), w, w * (global_rows / real_rows)
+            real_valid = layout.device_sum(jnp.sum(keras_mask * per_row(mask, rank)))
+            real_valid = jnp.where(real_valid == 0, 1.0, real_valid)
+            part_valid = jnp.repeat(jnp.sum(keras_mask.reshape(parts, -1), axis=1), mask.shape[0] // parts)
+            global_positions = global_rows * positions
+            return (w * per_row(part_valid * (units / real_valid), w.ndim), w,
+                    masked * (global_positions / real_valid))
 
         flat_shapes = tree.flatten(output_shapes)
+        flat_masks = output_masks if output_masks is not None else [None] * len(flat_shapes)
         if sample_weight is not None and tree.is_nested(sample_weight):
             flat_sw = tree.flatten(sample_weight)
-            pairs = [weigh(sw, shape) for sw, shape in zip(flat_sw, flat_shapes)]
+            triples = [weigh(sw, shape, m) for sw, shape, m in zip(flat_sw, flat_shapes, flat_masks)]
             pack = lambda leaves: tree.pack_sequence_as(sample_weight, leaves)
         else:
-            pairs = [weigh(sample_weight, shape) for shape in flat_shapes]
-            if len({p[0].ndim for p in pairs}) == 1:  # one weight fits every output
-                return pairs[0]
+            triples = [weigh(sample_weight, shape, m) for shape, m in zip(flat_shapes, flat_masks)]
+            # The weights differ only by rank, and for "mean_with_sample_weight" by positions per row.
+            same = {(loss_rank(shape.shape), reduction == "mean_with_sample_weight" and shape.shape[1:])
+                    for shape in flat_shapes}
+            if len(triples) == 1 or (len(same) == 1 and output_masks is None):  # one weight fits every output
+                return triples[0]
             pack = lambda leaves: tree.pack_sequence_as(output_shapes, leaves)
-        return pack([p[0] for p in pairs]), pack([p[1] for p in pairs])
+        return tuple(pack([t[i] for t in triples]) for i in range(3))
 
     def _offset_seeds(self, values, core_id, sign):
         out = list(values)
@@ -654,11 +741,20 @@ class ReplicatedSteps:
                 combined.append(new[0])
         return combined
 
-    def _update_metrics(self, metrics_values, loss, real_rows, x, y, y_pred, mask, metric_weight, loss_weight):
-        gathered = self.layout.device_gather((x, y, y_pred, mask, metric_weight, loss_weight))
-        _, new_values = _keras_private.update_metrics(self.model, metrics_values, loss, real_rows, *gathered)
+    def _update_metrics(self, metrics_values, loss, real_rows, x, y, y_pred, mask, metric_weight, loss_weight,
+                        output_masks=None):
+        """The metrics updated with the step's global batch (the devices' rows gathered). ``output_masks``: the
+        outputs' Keras masks, which evaluation's metrics read (Keras' training step reads ``y_pred`` from the
+        gradient's auxiliary outputs, which carry none)."""
+        x, y, y_pred, mask, metric_weight, loss_weight, output_masks = self.layout.device_gather(
+            (x, y, y_pred, mask, metric_weight, loss_weight, output_masks))
+        if output_masks is not None:
+            y_pred = _keras_private.with_keras_masks(y_pred, output_masks)
+        _, new_values = _keras_private.update_metrics(self.model, metrics_values, loss, real_rows, x, y, y_pred,
+                                                      mask, metric_weight, loss_weight)
         return new_values
 
+    @_losses_summed
     def train_step(self, state, batch, mask, real_rows):
         """One training step of this device's cores: ``state`` -> new ``state``.
 
@@ -671,7 +767,8 @@ class ReplicatedSteps:
         output_shapes = self._output_shapes(trainable, non_trainable, x)
         merged = self._cores_merged("train", trainable, non_trainable, x)  # one loss per device, not per core
         units = layout.num_devices if merged else layout.num_cores
-        loss_weight, metric_weight = self._sample_weights(mask, sample_weight, real_rows, output_shapes, units=units)
+        loss_weight, metric_weight, tracker_weight = self._sample_weights(
+            mask, sample_weight, real_rows, output_shapes, units, self._output_masks(trainable, non_trainable, x))
 
         def device_loss(trainable):  # the device's rows as one batch: no per-core state to keep apart
             loss, (unscaled, y_pred, new_non_trainable, _) = model.compute_loss_and_updates(
@@ -730,9 +827,10 @@ class ReplicatedSteps:
             y_pred = layout.merge_cores(y_pred)
         mean_loss = layout.device_sum(jnp.sum(unscaled)) / units
         metrics_values = self._update_metrics(metrics_values, mean_loss, real_rows, x, y,
-                                              y_pred, mask, metric_weight, loss_weight)
+                                              y_pred, mask, metric_weight, tracker_weight)
         return (trainable, new_non_trainable, optimizer_values, metrics_values)
 
+    @_losses_summed
     def test_step(self, state, batch, mask, real_rows):
         """One evaluation step of this device's cores."""
         layout, model = self.layout, self.model
@@ -741,7 +839,9 @@ class ReplicatedSteps:
         output_shapes = self._output_shapes(trainable, non_trainable, x)
         merged = self._cores_merged("test", trainable, non_trainable, x)  # one loss per device, not per core
         units = layout.num_devices if merged else layout.num_cores
-        loss_weight, metric_weight = self._sample_weights(mask, sample_weight, real_rows, output_shapes, units=units)
+        output_masks = self._output_masks(trainable, non_trainable, x)
+        loss_weight, metric_weight, tracker_weight = self._sample_weights(
+            mask, sample_weight, real_rows, output_shapes, units, output_masks)
 
         def core_loss(x, y, loss_weight):
             _, (unscaled, y_pred, _, _) = model.compute_loss_and_updates(
@@ -757,7 +857,7 @@ class ReplicatedSteps:
             y_pred = layout.merge_cores(y_pred)
         mean_loss = layout.device_sum(jnp.sum(unscaled)) / units
         metrics_values = self._update_metrics(metrics_values, mean_loss, real_rows, x, y,
-                                              y_pred, mask, metric_weight, loss_weight)
+                                              y_pred, mask, metric_weight, tracker_weight, output_masks)
         return (trainable, non_trainable, metrics_values)
 
 

@@ -124,16 +124,23 @@ def test_a_partial_batch_runs_on_the_cores_that_split_it_without_padding(caplog)
     x, y = regression_data(100)  # batches of 32, 32, 32 and 4 rows: the last on 4 cores of one row
     strategy = keras_tpu.TPUStrategy(precision="highest")
     model, reference = jax_style_regressor(strategy), jax_style_regressor()
-    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    got = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
+    want = reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
     # Every step's gradient is the mean over cores of equal rows: the gradient of the whole batch, with no
     # padding row in any loss, so the weights follow the CPU's exactly.
     for a, b in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, atol=2e-6)
     assert ("train", 4, 1) in compiled_programs(caplog) and "on 4 core(s): 4 rows do not split evenly" in caplog.text
-    # Evaluation of a batch of 100 runs on 5 cores of 20 rows, metrics exact.
-    assert model.evaluate(x, y, batch_size=100, verbose=0) == pytest.approx(
-        reference.evaluate(x, y, batch_size=100, verbose=0), rel=2e-5)
+    # The loss tracker is updated with the step's loss (one value per step): the step on 4 cores counts as one
+    # step, as on the CPU, not as half of one; "mae" is updated per row and counts the 4 rows.
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=2e-5, err_msg=key)
+    # Evaluation of a batch of 100 runs on 5 cores of 20 rows; of batches of 32, the last on 4 cores: exact.
+    for batch_size in (100, 32):
+        got = model.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
+        want = reference.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=2e-5), (batch_size, key)
 
 
 class VAE(keras.Model):

@@ -64,6 +64,37 @@ def test_losses_added_in_call_are_exact_on_partial_batches(front_end, data, capl
     assert "adds losses in call()" in log
 
 
+class CTCLayer(keras.layers.Layer):
+    """keras.io's captcha OCR endpoint: adds the CTC loss of each row (a vector, which Keras sums)."""
+
+    def call(self, labels, logits):
+        rows = keras.ops.shape(labels)[0]
+        label_length = keras.ops.full((rows,), labels.shape[1], "int32")
+        logit_length = keras.ops.full((rows,), logits.shape[1], "int32")
+        self.add_loss(keras.ops.ctc_loss(labels, logits, label_length, logit_length, mask_index=0))
+        return logits
+
+
+def ctc_model(scope=None):
+    keras.utils.set_random_seed(0)
+    with scope or contextlib.nullcontext():
+        frames, labels = keras.Input((8, 6), name="frames"), keras.Input((3,), dtype="int32", name="labels")
+        h = keras.layers.Bidirectional(keras.layers.LSTM(8, return_sequences=True))(frames)
+        model = keras.Model([frames, labels], CTCLayer()(labels, keras.layers.Dense(5)(h)))
+        model.compile(keras.optimizers.Adam(0.01))
+    return model
+
+
+@pytest.mark.parametrize("front_end", ["TPUStrategy", "keras_to_tpu_model"])
+def test_a_loss_added_per_row_counts_every_core_s_rows(front_end, caplog):
+    """Keras sums a loss added per row over the batch: on the TPU that is every core's sum (not their mean),
+    also for the partial batch, which runs on fewer cores."""
+    rng = np.random.default_rng(0)
+    x = [rng.standard_normal((100, 8, 6)).astype("float32"), rng.integers(1, 5, (100, 3)).astype("int32")]
+    log = fits_like_the_cpu(lambda scope: ctc_model(scope), front_end, x, None, caplog)
+    assert "4 rows do not split evenly over 8" in log
+
+
 def test_models_without_losses_in_call_keep_the_padded_program(data, caplog):
     x, y = data
     keras.utils.set_random_seed(0)
@@ -423,3 +454,22 @@ def test_run_eagerly_runs_the_compiled_tpu_programs_or_is_refused(caplog):
     cpu.compile("sgd", "mse")
     with pytest.raises(ValueError, match="run_eagerly=True.*cpu_model"):
         keras_tpu.keras_to_tpu_model(cpu).compile("sgd", "mse", run_eagerly=True)
+
+
+def segmenter(scope=None):
+    keras.utils.set_random_seed(0)
+    with scope or contextlib.nullcontext():
+        model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(3, 1, activation="softmax")])
+        model.compile("adam", "sparse_categorical_crossentropy",
+                      metrics=[keras.metrics.MeanIoU(3, name="mean_iou", sparse_y_pred=False),
+                               keras.metrics.IoU(3, [0, 1], name="iou", sparse_y_pred=False)])
+    return model
+
+
+@pytest.mark.parametrize("front_end", ["TPUStrategy", "keras_to_tpu_model"])
+def test_iou_metrics_of_a_segmentation_model(front_end, caplog):
+    """keras.io's segmentation examples log MeanIoU/IoU, which flatten their sample weight with the targets: the
+    padding rows' mask reaches them at one weight per pixel."""
+    rng = np.random.default_rng(0)
+    x, y = rng.random((100, 8, 8, 3)).astype("float32"), rng.integers(0, 3, (100, 8, 8, 1)).astype("int32")
+    fits_like_the_cpu(segmenter, front_end, x, y, caplog)

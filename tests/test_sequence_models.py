@@ -158,29 +158,133 @@ def test_a_masked_average_trains_exactly_on_partial_batches(masking):
     assert_weights_close(tpu.get_weights(), cpu.get_weights(), atol=1e-6)
 
 
-def test_a_loss_masked_per_token_on_partial_batches():
-    """A per-token loss under Embedding(mask_zero=True): Keras divides by the valid tokens, which the padding rows
-    (copies of a real row, see keras_tpu._batching) must not change. Exact here, where every row has as many
-    valid tokens; a batch smaller than the program's global batch is padded the same way."""
+def forcing_cores_merged(monkeypatch, merged):
+    """Training programs run a device's rows as one batch (``merged``) or core by core, whatever the model."""
+    from keras_tpu._replicated_steps import ReplicatedSteps
+
+    decide = ReplicatedSteps._cores_merged
+
+    def forced(self, mode, *args):
+        if mode != "train" or self.layout.cores_per_device == 1:
+            return decide(self, mode, *args)
+        return merged
+
+    monkeypatch.setattr(ReplicatedSteps, "_cores_merged", forced)
+
+
+@pytest.mark.parametrize("merged", [True, False])
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum", "mean_with_sample_weight"])
+def test_a_loss_masked_per_token_on_partial_batches(monkeypatch, merged, reduction):
+    """A per-token loss under Embedding(mask_zero=True): Keras divides by the valid tokens of the rows it is
+    given. Rows of different lengths put different counts on each core, and the padding rows (copies of the
+    first row, see keras_tpu._batching) add theirs: the loss and the gradient must still be those of the real
+    rows, for batches smaller than the program's global batch too, with and without sample weights."""
+    forcing_cores_merged(monkeypatch, merged)
     rng = np.random.default_rng(0)
-    x, _ = padded_token_rows(64, length=12, real=8, vocab=50)
+    x, _ = padded_token_rows(64, length=12, real=12, vocab=50)
+    for row, length in enumerate(rng.integers(1, 13, 64)):
+        x[row, length:] = 0
     y = rng.integers(0, 11, (64, 12)).astype("int32")
+    weights = rng.uniform(0.2, 2.0, (64, 12)).astype("float32")  # per token (Keras' masked losses need that rank)
 
     def build():
         keras.utils.set_random_seed(0)
         inputs = keras.Input((12,), dtype="int32")
         h = keras.layers.Embedding(50, 16, mask_zero=True)(inputs)
         model = keras.Model(inputs, keras.layers.Dense(11, activation="softmax")(h))
-        model.compile("sgd", "sparse_categorical_crossentropy")
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(reduction=reduction))
         return model
 
     cpu, tpu = build(), on_tpu(build())
     for batch_size in (64, 32, 24, 8):  # the program stays at the first call's global batch of 64
         np.testing.assert_allclose(tpu.evaluate(x, y, batch_size=batch_size, verbose=0),
                                    cpu.evaluate(x, y, batch_size=batch_size, verbose=0), rtol=1e-6)
+        np.testing.assert_allclose(tpu.evaluate(x, y, sample_weight=weights, batch_size=batch_size, verbose=0),
+                                   cpu.evaluate(x, y, sample_weight=weights, batch_size=batch_size, verbose=0),
+                                   rtol=1e-6)
+    got = tpu.fit(x, y, sample_weight=weights, batch_size=24, epochs=1, shuffle=False, verbose=0).history
+    want = cpu.fit(x, y, sample_weight=weights, batch_size=24, epochs=1, shuffle=False, verbose=0).history
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
     tpu.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0)
     cpu.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0)
     assert_weights_close(tpu.get_weights(), cpu.get_weights(), atol=1e-6)
+
+
+class PassThrough(keras.layers.Layer):
+    """A custom layer that keeps the mask (keras.io's TransformerDecoder does): the model is no longer a graph of
+    Keras' own row-wise layers, so its evaluation maps the cores one by one."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True
+
+    def call(self, x):
+        return x
+
+
+def test_masked_metrics_and_loss_of_a_model_evaluated_core_by_core():
+    """keras.io's English-to-Spanish translator logs accuracy over a masked output. Evaluated core by core, the
+    outputs come back without their Keras masks: the metrics must still skip the masked tokens, and the loss
+    divide by the batch's valid tokens, not each core's."""
+    rng = np.random.default_rng(2)
+    x, _ = padded_token_rows(64, length=10, real=10, vocab=30)
+    for row, length in enumerate(rng.integers(2, 11, 64)):
+        x[row, length:] = 0
+    y = rng.integers(0, 5, (64, 10)).astype("int32")
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((10,), dtype="int32")
+        h = PassThrough()(keras.layers.Embedding(30, 8, mask_zero=True)(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(5, activation="softmax")(h))
+        model.compile("sgd", "sparse_categorical_crossentropy", metrics=["accuracy"])
+        return model
+
+    cpu, tpu = build(), on_tpu(build())
+    for batch_size in (64, 32, 24):
+        got = tpu.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
+        want = cpu.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-6), (batch_size, key)
+    got = tpu.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0, validation_data=(x, y)).history
+    want = cpu.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0, validation_data=(x, y)).history
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+    assert_weights_close(tpu.get_weights(), cpu.get_weights(), atol=1e-6)
+
+
+def test_per_output_losses_of_a_masked_and_an_unmasked_output():
+    """A two-output model, one output masked per token and one per row: each output's loss log and the total
+    are the real rows' on a partial batch (the per-output trackers re-evaluate the loss on the whole batch)."""
+    rng = np.random.default_rng(1)
+    x, _ = padded_token_rows(40, length=8, real=8, vocab=30)
+    for row, length in enumerate(rng.integers(1, 9, 40)):
+        x[row, length:] = 0
+    tags, label = rng.integers(0, 5, (40, 8)).astype("int32"), rng.integers(0, 2, (40, 1)).astype("float32")
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,), dtype="int32")
+        h = keras.layers.Embedding(30, 8, mask_zero=True)(inputs)
+        tagged = keras.layers.Dense(5, activation="softmax", name="tags")(h)
+        pooled = keras.layers.Dense(1, activation="sigmoid", name="label")(keras.layers.GlobalAveragePooling1D()(h))
+        model = keras.Model(inputs, {"tags": tagged, "label": pooled})
+        model.compile("adam", {"tags": "sparse_categorical_crossentropy", "label": "binary_crossentropy"})
+        return model
+
+    cpu, tpu = build(), on_tpu(build())
+    targets = {"tags": tags, "label": label}
+    for batch_size in (40, 16, 12):
+        got = tpu.evaluate(x, targets, batch_size=batch_size, verbose=0, return_dict=True)
+        want = cpu.evaluate(x, targets, batch_size=batch_size, verbose=0, return_dict=True)
+        assert got.keys() == want.keys()
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-6), (batch_size, key)
+    got = tpu.fit(x, targets, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    want = cpu.fit(x, targets, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+    assert_weights_close(tpu.get_weights(), cpu.get_weights(), atol=1e-5)
 
 
 def test_padding_rows_copy_the_batch_s_first_row():

@@ -116,10 +116,11 @@ def test_evaluate_and_predict_are_exact_with_any_batch_and_data_size():
         np.testing.assert_allclose(predicted, cpu.predict(x[:rows], batch_size=64, verbose=0), atol=1e-6)
 
 
-@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum"])
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum", "mean_with_sample_weight"])
 def test_evaluation_of_all_rows_at_once_is_exact_for_losses_averaged_or_summed(reduction):
     # A model whose rows do not interact evaluates all of a device's rows as one batch: the same loss as on
-    # the CPU for every batch size, partial batches and sample weights included.
+    # the CPU for every batch size, partial batches and sample weights included. A loss averaged over its sample
+    # weights is the batch's weighted mean, not the mean of the cores' or devices' weighted means.
     x, y = classification_data(203)
     weights = np.linspace(0.5, 2, 203).astype("float32")
     cpu = small_classifier()
@@ -134,7 +135,7 @@ def test_evaluation_of_all_rows_at_once_is_exact_for_losses_averaged_or_summed(r
 
 
 @pytest.mark.parametrize("merged", [True, False])
-@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum"])
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum", "mean_with_sample_weight"])
 def test_training_all_rows_at_once_or_core_by_core_matches_the_cpu(monkeypatch, merged, reduction):
     # A model whose rows are independent in training runs a device's rows as one batch; core by core (as models
     # with BatchNormalization or dropout run) it must give the same: partial batches and sample weights included.
@@ -191,7 +192,7 @@ def test_training_runs_all_rows_at_once_only_for_models_whose_rows_are_independe
                                    np.zeros((8 * core_rows,) + tuple(shape[1:]), dtype))
 
     assert merged(dense(layers.Dense(4))) and not merged(dense(layers.Dropout(0.1)))
-    assert not merged(dense(layers.Dense(4)), keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"))
+    assert merged(dense(layers.Dense(4)), keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"))
     # Convolutions' gradients run faster at a core's batch: at 4 rows per core as at 64 they stay core by core.
     convnet = lambda: keras.Sequential([keras.Input((8, 8, 3)), layers.Conv2D(4, 3), layers.Flatten(),
                                         layers.Dense(2)])
@@ -244,8 +245,8 @@ def test_inference_runs_all_rows_at_once_only_for_models_whose_rows_do_not_inter
         return steps._cores_merged("test", *args), steps._cores_merged("predict", *args)
 
     assert merged(recurrent, "mse") == (True, True)
-    # Losses averaged per core over their weights are computed core by core, as on a TPU.
-    assert merged(recurrent, keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")) == (False, True)
+    # Every reduction is exact over the whole batch (see ReplicatedSteps._sample_weights).
+    assert merged(recurrent, keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")) == (True, True)
     assert merged(custom, "mse") == (False, False)
     assert merged(convnet, "sparse_categorical_crossentropy") == (True, True)
     # Depthwise convolutions run faster at a core's batch: core by core.
