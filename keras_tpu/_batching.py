@@ -120,6 +120,28 @@ class BatchStacker:
         return StackedBatches(data, mask, real_rows)
 
 
+def same_shape_runs(batches):
+    """``batches`` in runs of consecutive batches whose arrays have the same shapes but for their rows: each run
+    stacks into one program's call (a generator's batches of different sequence lengths run one program per
+    length).
+
+    Example:
+        >>> runs = same_shape_runs([(np.ones((4, 5)),), (np.ones((2, 5)),), (np.ones((4, 9)),)])
+        >>> [len(run) for run in runs]
+        [2, 1]
+    """
+    runs, last = [], None
+    for batch in batches:
+        leaves, structure = jax.tree.flatten(batch)
+        key = structure, tuple((np.shape(leaf)[1:], getattr(leaf, "dtype", None)) for leaf in leaves)
+        if key == last:
+            runs[-1].append(batch)
+        else:
+            runs.append([batch])
+            last = key
+    return runs
+
+
 def unstack_outputs(outputs, stacked):
     """Predictions of stacked steps back to one array per output, real rows only, in order."""
     def unstack(leaf):

@@ -80,6 +80,8 @@ from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 from keras.src.legacy.saving import legacy_h5_format as legacy_h5  # noqa: F401  (re-exported)
 from keras.src.trainers.trainer import Trainer
 
+from keras_tpu._logging import logger
+
 
 def compile_arguments(model):
     """The keyword arguments ``model.compile`` was called with, or ``None`` if it was not compiled."""
@@ -185,6 +187,68 @@ def without_keras_masks(outputs):
     return keras.tree.map_structure(lambda a: a * 1 if get_keras_mask(a) is not None else a, outputs)
 
 
+def _compiled_losses(model, y, y_pred):
+    """``(output index, loss, name, y_true, y_pred)`` for each loss compiled into ``model``: the index of the
+    output it scores in ``keras.tree.flatten(y_pred)`` (``None`` if not found) and that output's targets and
+    predictions. Empty where Keras has not built its ``CompileLoss`` yet (``fit`` builds it before the first
+    step) or the targets do not match the outputs one for one."""
+    compiled = getattr(model, "_compile_loss", None)
+    flat = getattr(compiled, "_flat_losses", None)
+    if not flat:
+        return []
+    y_true = y
+    if keras.tree.is_nested(y_pred) and not keras.tree.is_nested(y) and len(keras.tree.flatten(y_pred)) == 1:
+        y_true = [y]
+    try:
+        y_true = keras.tree.pack_sequence_as(y_pred, keras.tree.flatten(y_true))
+    except (ValueError, TypeError):
+        return []
+
+    def at(path, tree):
+        for key in path:
+            tree = tree[key]
+        return tree
+
+    index = {tuple(path): i for i, (path, _) in enumerate(keras.tree.flatten_with_path(y_pred))}
+    entries = []
+    for path, loss, _, name in flat:
+        try:
+            entries.append((index.get(tuple(path)), loss, name, at(path, y_true), at(path, y_pred)))
+        except (KeyError, IndexError, TypeError):
+            continue
+    return entries
+
+
+def targets_for_loss(model, y, y_pred):
+    """``y`` arranged as Keras' compiled loss arranges one target array for a model with several outputs of
+    which one has a loss (``loss=[loss_fn, None]``, keras.io's miniature GPT): in the losses' structure, ``None``
+    for the others; otherwise ``y`` as it is.
+
+    Keras arranges it per batch, and first tries the target array as a list
+    of targets, one row each: a batch of as many rows as outputs (each core's
+    few rows) would be split so. The cores must get the whole batch's
+    arrangement.
+
+    Example:
+        >>> inputs = keras.Input((3,))
+        >>> model = keras.Model(inputs, [keras.layers.Dense(2)(inputs), keras.layers.Dense(4)(inputs)])
+        >>> model.compile(loss=["mse", None])
+        >>> y_pred = [jax.ShapeDtypeStruct((2, 2), "float32"), jax.ShapeDtypeStruct((2, 4), "float32")]
+        >>> [None if t is None else t.shape for t in targets_for_loss(model, np.zeros((2, 2)), y_pred)]
+        [(2, 2), None]
+    """
+    user_loss = getattr(getattr(model, "_compile_loss", None), "_user_loss", None)
+    if y is None or user_loss is None or keras.tree.is_nested(y) or not keras.tree.is_nested(y_pred):
+        return y
+    flat_loss, outputs = keras.tree.flatten(user_loss), keras.tree.flatten(y_pred)
+    with_loss = [i for i, loss in enumerate(flat_loss) if loss is not None]
+    if len(outputs) < 2 or len(flat_loss) != len(outputs) or len(with_loss) != 1:
+        return y
+    arranged = [None] * len(flat_loss)
+    arranged[with_loss[0]] = y
+    return keras.tree.pack_sequence_as(user_loss, arranged)
+
+
 def losses_not_per_row(model, y, y_pred):
     """Names of the compiled losses of ``model`` whose values have no leading axis of one value per row.
 
@@ -201,36 +265,80 @@ def losses_not_per_row(model, y, y_pred):
         >>> losses_not_per_row(model, y, y_pred)                                        # doctest: +SKIP
         ['<lambda>']
     """
-    compiled = getattr(model, "_compile_loss", None)
-    flat = getattr(compiled, "_flat_losses", None)
-    if not flat:
-        return []
     rows = keras.tree.flatten(y_pred)[0].shape[0]
-    y_true = y
-    if keras.tree.is_nested(y_pred) and not keras.tree.is_nested(y) and len(keras.tree.flatten(y_pred)) == 1:
-        y_true = [y]
-    try:
-        y_true = keras.tree.pack_sequence_as(y_pred, keras.tree.flatten(y_true))
-    except (ValueError, TypeError):
-        return []
-
-    def at(path, tree):
-        for key in path:
-            tree = tree[key]
-        return tree
-
     found = []
-    for path, loss, _, name in flat:
+    for _, loss, name, y_t, y_p in _compiled_losses(model, y, y_pred):
         if not isinstance(loss, keras.losses.Loss):
             continue
         try:
-            values = jax.eval_shape(loss.call, at(path, y_true), at(path, y_pred))
+            values = jax.eval_shape(loss.call, y_t, y_p)
         except Exception:  # noqa: BLE001  (a loss that cannot be traced alone keeps the caller's default)
             continue
         shapes = [v.shape for v in jax.tree.leaves(values)]
         if not shapes or any(len(shape) == 0 or shape[0] != rows for shape in shapes):
             found.append(getattr(loss, "name", None) or name or type(loss).__name__)
     return found
+
+
+def loss_forms(model, y, y_pred):
+    """How each output's compiled loss reduces, traced abstractly: for each output in
+    ``keras.tree.flatten(y_pred)``, ``(reduction, shape of its per-element values, whether Keras masks those
+    values)`` or ``None`` (no loss, or one that cannot be traced alone); ``None`` where the losses are not
+    built.
+
+    ``y`` and ``y_pred`` are arrays or ``jax.ShapeDtypeStruct`` pytrees. A
+    loss masks its values itself where it ignores some targets
+    (``SparseCategoricalCrossentropy(ignore_class=0)``); the outputs' own Keras
+    masks (``Embedding(mask_zero=True)``) are the model's, not the loss's.
+
+    Example:
+        >>> model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+        >>> model.compile(loss=keras.losses.SparseCategoricalCrossentropy(ignore_class=0, reduction="sum"))
+        >>> y, y_pred = jax.ShapeDtypeStruct((8, 1), "int32"), jax.ShapeDtypeStruct((8, 3), "float32")
+        >>> _ = model.compute_loss(y=keras.ops.zeros((8, 1), "int32"), y_pred=keras.ops.zeros((8, 3)))  # built
+        >>> loss_forms(model, y, y_pred)
+        [('sum', (8,), True)]
+    """
+    entries = _compiled_losses(model, y, y_pred)
+    if not entries:
+        return None
+    forms = [None] * len(keras.tree.flatten(y_pred))
+    for i, loss, _, y_t, y_p in entries:
+        if i is None or not isinstance(loss, keras.losses.Loss):
+            continue
+        masked = []
+
+        def values(y_t, y_p, loss=loss, masked=masked):
+            values = loss.call(y_t, y_p)
+            masked.append(get_keras_mask(values) is not None)
+            return values
+
+        try:
+            shape = jax.eval_shape(values, y_t, y_p)
+        except Exception:  # noqa: BLE001  (a loss that cannot be traced alone: the caller's default)
+            continue
+        if hasattr(shape, "shape"):
+            forms[i] = (_summed_losses.get(id(loss), loss.reduction), tuple(shape.shape), masked[0])
+    return forms
+
+
+def loss_masks(model, y, y_pred):
+    """The mask Keras' compiled loss applies to each output's per-element values (for each output in
+    ``keras.tree.flatten(y_pred)``; ``None`` where there is none): the output's own Keras mask, and the mask
+    the loss puts on its values (``ignore_class``), combined as ``Loss.__call__`` combines them.
+
+    ``y_pred`` is the model's real outputs, with their masks; each loss that
+    masks its values is computed again here for its mask (a comparison of the
+    targets, which is all XLA keeps of it).
+    """
+    masks = [get_keras_mask(output) for output in keras.tree.flatten(y_pred)]
+    forms = loss_forms(model, y, y_pred) or []
+    for i, loss, _, y_t, y_p in _compiled_losses(model, y, y_pred):
+        if i is not None and i < len(forms) and forms[i] is not None and forms[i][2]:
+            values_mask = get_keras_mask(loss.call(y_t, y_p))
+            if values_mask is not None:
+                masks[i] = values_mask if masks[i] is None else masks[i] & values_mask
+    return masks
 
 
 def per_output_loss_trackers(model):
@@ -286,20 +394,56 @@ def _update_compiled_metrics(compiled, y, y_pred, row_mask, sample_weight):
         compiled.build(y, y_pred)
     flat_y, flat_pred = compiled._flatten_y(y), compiled._flatten_y(y_pred)
     for metric, y_t, y_p in zip(compiled._flat_metrics, flat_y, flat_pred):
-        if metric:  # the row mask, as the metric's per-element values (per time step or pixel, say)
-            rank = max(1, len(y_p.shape) - 1)
-            # Broadcast in full: IoU metrics flatten their weight to the flattened targets' length. A metric
-            # counting in integers (IoU's confusion matrix) gets the 0/1 mask as integers.
-            weight = keras.ops.broadcast_to(row_mask.reshape(row_mask.shape + (1,) * (rank - 1)), y_p.shape[:rank])
-            for one in getattr(metric, "metrics", [metric]):  # (Keras' MetricsList of the output's metrics)
-                counts_in = getattr(one, "dtype", None) if "int" in str(getattr(one, "dtype", "")) else weight.dtype
-                one.update_state(y_t, y_p, sample_weight=keras.ops.cast(weight, counts_in))
+        for one in getattr(metric, "metrics", [metric]) if metric else ():  # (Keras' MetricsList of the output)
+            one.update_state(y_t, y_p, sample_weight=_padding_mask_for(one, y_t, y_p, row_mask))
     weights = compiled._flatten_y(sample_weight)
     if len(weights) < len(flat_y):
         weights = [weights[0]] * len(flat_y)
     for metric, y_t, y_p, weight in zip(compiled._flat_weighted_metrics, flat_y, flat_pred, weights):
         if metric:
             metric.update_state(y_t, y_p, weight)
+
+
+def _padding_mask_for(metric, y_true, y_pred, row_mask):
+    """The padding rows' mask as ``metric``'s sample weight: one weight per value it averages, or ``None`` for a
+    metric function that gives one value for the whole batch (no row to mask).
+
+    A metric wrapping a function (``MeanMetricWrapper``: ``metrics=[psnr]``)
+    averages the values the function returns, traced here for their shape (per
+    row and position, per image, or one per batch); other metrics take a
+    weight per row and position of the output, broadcast in full (IoU metrics
+    flatten it to the flattened targets' length), as integers for a metric
+    that counts in integers (IoU's confusion matrix).
+    """
+    rows = row_mask.shape[0]
+    rank = max(1, len(y_pred.shape) - 1)
+    shape = tuple(y_pred.shape[:rank])
+    if getattr(metric, "_fn", None) is not None:
+        abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (y_true, y_pred)]
+        try:
+            values = jax.eval_shape(functools.partial(metric._fn, **metric._fn_kwargs), *abstract)
+        except Exception:  # noqa: BLE001  (a function that cannot be traced alone: its update will say why)
+            values = None
+        if values is not None and hasattr(values, "shape"):
+            if len(values.shape) == 0 or values.shape[0] != rows:
+                _warn_batch_metric(metric)
+                return None
+            shape = tuple(values.shape)
+    weight = keras.ops.broadcast_to(row_mask.reshape((rows,) + (1,) * (len(shape) - 1)), shape)
+    return keras.ops.cast(weight, metric.dtype if "int" in str(getattr(metric, "dtype", "")) else weight.dtype)
+
+
+_warned_batch_metrics = set()
+
+
+def _warn_batch_metric(metric):
+    if metric.name not in _warned_batch_metrics:
+        _warned_batch_metrics.add(metric.name)
+        logger.warning(
+            "The metric %r gives one value for the whole batch, not one per row: on a batch the TPU pads (a partial "
+            "last batch, or a batch size that does not split evenly over the cores) its value also covers the "
+            "padding rows (copies of the batch's first row). Return one value per row (reduce over the other axes "
+            "only) for a value exact on every batch.", metric.name)
 
 
 def overridden_methods(model, names):

@@ -63,7 +63,7 @@ from keras import tree
 
 from keras_tpu import _keras_private, _hbm as hbm, _host as host, _pod as pod, _rewrite as rewrite, _rounded_weights
 from keras_tpu._logging import logger
-from keras_tpu._batching import BatchStacker, describe_input_shapes, unstack_outputs
+from keras_tpu._batching import BatchStacker, describe_input_shapes, same_shape_runs, unstack_outputs
 from keras_tpu._cores import REPLICATED, ROWS, CoreLayout, ProgramsInFlight, same_arrays
 from keras_tpu._custom_steps import CustomSteps, custom_step_methods
 from keras_tpu.mxu import _kernels as kernels
@@ -280,16 +280,38 @@ class ReplicatedSteps:
     def train_function(self, steps_per_execution=1):
         """``(state, iterator) -> (logs, state)``, for ``model.train_function``."""
         if "train_step" in self.custom:
-            return CustomSteps(self).function("train", steps_per_execution)
-        return self._unless_rows_reach_the_loss(
-            "train", steps_per_execution, _Program("train", self, steps_per_execution, self._device_train).run_for_logs)
+            return self._state_kept_on_error("train", CustomSteps(self).function("train", steps_per_execution))
+        return self._state_kept_on_error("train", self._unless_rows_reach_the_loss(
+            "train", steps_per_execution, _Program("train", self, steps_per_execution, self._device_train).run_for_logs))
 
     def test_function(self, steps_per_execution=1):
         """``(state, iterator) -> (logs, state)``, for ``model.test_function``."""
         if "test_step" in self.custom:
-            return CustomSteps(self).function("test", steps_per_execution)
-        return self._unless_rows_reach_the_loss(
-            "test", steps_per_execution, _Program("test", self, steps_per_execution, self._device_test).run_for_logs)
+            return self._state_kept_on_error("test", CustomSteps(self).function("test", steps_per_execution))
+        return self._state_kept_on_error("test", self._unless_rows_reach_the_loss(
+            "test", steps_per_execution, _Program("test", self, steps_per_execution, self._device_test).run_for_logs))
+
+    def _state_kept_on_error(self, mode, function):
+        """``function`` (a step function of Keras' loops), which puts the ``state`` it was given back into the
+        model's variables when it fails, unless its program already consumed it.
+
+        Keras' JAX trainer takes the values out of the variables for the
+        duration of ``fit``/``evaluate``/``predict`` and puts back the last
+        step's state only when the loop ends: a step that fails (a user's
+        metric that cannot trace, a program too large for the core's HBM, an
+        interrupt) would leave the model without its trained weights.
+        """
+        def step_function(state, iterator):
+            try:
+                return function(state, iterator)
+            except StopIteration:
+                raise
+            except BaseException:
+                if not any(isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(state)):
+                    _keras_private.give_back_state(self.model, mode, state)  # (donated to a program that ran: gone)
+                raise
+
+        return step_function
 
     def _unless_rows_reach_the_loss(self, mode, steps_per_execution, padded_function):
         """``padded_function``, unless padding rows would reach the model's loss: it adds losses in ``call``
@@ -353,7 +375,8 @@ class ReplicatedSteps:
             return outputs
 
         y_pred = jax.eval_shape(forward, _abstract(list(state[0])), _abstract(list(state[1])), x)
-        whole_batch = [] if y is None else _keras_private.losses_not_per_row(model, y, y_pred)
+        whole_batch = [] if y is None else _keras_private.losses_not_per_row(
+            model, _keras_private.targets_for_loss(model, y, y_pred), y_pred)
         why = ("adds losses in call() (add_loss or an activity regularizer)" if added[0] else
                f"has a loss that gives no value per row ({', '.join(whole_batch)}: the batch's mean, say)"
                if whole_batch else "")
@@ -363,8 +386,9 @@ class ReplicatedSteps:
     def predict_function(self, steps_per_execution=1):
         """``(state, iterator) -> (outputs, state)``, for ``model.predict_function``."""
         if "predict_step" in self.custom:
-            return CustomSteps(self).function("predict", steps_per_execution)
-        return _Program("predict", self, steps_per_execution, self._device_predict).run_for_outputs
+            return self._state_kept_on_error("predict", CustomSteps(self).function("predict", steps_per_execution))
+        return self._state_kept_on_error(
+            "predict", _Program("predict", self, steps_per_execution, self._device_predict).run_for_outputs)
 
     @property
     def global_batch(self):
@@ -603,26 +627,46 @@ class ReplicatedSteps:
             return "mean_with_sample_weight"
         return "sum_over_batch_size"
 
-    def _output_masks(self, trainable, non_trainable, x):
-        """The Keras mask of each (flattened) output for this device's rows of ``x``, as float32 (``None`` for an
-        output without one); ``None`` when no output has one.
+    def _loss_forms(self, trainable, non_trainable, x, y):
+        """How each output's loss reduces, for one core's rows (:func:`keras_tpu._keras_private.loss_forms`),
+        traced abstractly once per batch shape; ``None`` where unknown (the losses are not built)."""
+        if y is None:
+            return None
+        core_y = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), self.layout.split_cores(y))
+        key = "loss forms", jax.tree.structure((x, core_y)), tuple(
+            (a.shape, a.dtype) for a in jax.tree.leaves((x, core_y)))
+        if key not in self._core_forwards:
+            output_shapes = self._output_shapes(trainable, non_trainable, x)
+            self._core_forwards[key] = _keras_private.loss_forms(self.model, core_y, output_shapes)
+        return self._core_forwards[key]
+
+    def _masks(self, trainable, non_trainable, x, y, forms):
+        """``(output masks, loss masks)`` for this device's rows: each (flattened) output's Keras mask and the
+        mask its loss applies (:func:`keras_tpu._keras_private.loss_masks`), as float32 (``None`` for an output
+        without one); ``(None, None)`` when there are none.
 
         Each core's forward pass on its rows, traced again for the masks alone:
         XLA keeps only what they are computed from (usually a comparison of the
-        inputs, ``Embedding(mask_zero=True)``'s or ``Masking``'s).
+        inputs, ``Embedding(mask_zero=True)``'s or ``Masking``'s, or of the
+        targets, ``ignore_class``'s).
         """
-        if not any(self._core_forward(trainable, non_trainable, x)[2]):
-            return None
+        if not any(self._core_forward(trainable, non_trainable, x)[2]) and not any(
+                form is not None and form[2] for form in forms or ()):
+            return None, None
         kwargs = _keras_private.inference_kwargs(self.model)
+        as_float = lambda masks: [None if m is None else m.astype(jnp.float32) for m in masks]
 
-        def core_masks(core_rows):
+        def core_masks(core_rows, core_y):
             outputs = self.model.stateless_call(trainable, non_trainable, core_rows, **kwargs)[0]
-            return [None if m is None else m.astype(jnp.float32) for m in _keras_private.keras_masks(outputs)]
+            loss_masks = _keras_private.loss_masks(self.model, core_y, outputs) if core_y is not None else \
+                _keras_private.keras_masks(outputs)
+            return as_float(_keras_private.keras_masks(outputs)), as_float(loss_masks)
 
         layout = self.layout
-        return layout.merge_cores(layout.map_cores(core_masks, in_axes=0)(layout.split_cores(x)))
+        split = layout.split_cores
+        return layout.merge_cores(layout.map_cores(core_masks, in_axes=0)(split(x), split(y)))
 
-    def _sample_weights(self, mask, sample_weight, real_rows, output_shapes, units, output_masks=None):
+    def _sample_weights(self, mask, sample_weight, real_rows, output_shapes, units, forms=None, loss_masks=None):
         """Per-element weights for the loss (padding excluded, rescaled), the metrics (padding excluded) and
         the per-output loss trackers: ``(loss, metric, tracker)``.
 
@@ -630,12 +674,13 @@ class ReplicatedSteps:
         computed by ``units`` parts (cores in training, devices in
         evaluation), whose mean is reported and differentiated; the loss
         weights make that mean the loss of the real rows alone, as Keras
-        computes it for the batch on the CPU:
+        computes it for the batch on the CPU. Each output's loss (``forms``,
+        see :meth:`_loss_forms`; else the model's reductions together):
 
         * ``"sum"``: the user's weight times ``units``.
         * ``"sum_over_batch_size"``: Keras divides a part's weighted sum by the
           positions it counts (its rows' positions, padding rows' included, or
-          the valid positions of the output's Keras mask, ``output_masks``);
+          the valid positions of the mask the loss applies, ``loss_masks``);
           the weight multiplies by ``units`` times that count over the count
           of the real rows.
         * ``"mean_with_sample_weight"``: summed within the step instead
@@ -643,12 +688,13 @@ class ReplicatedSteps:
           mean cannot be reweighted), and divided by the real rows' weight.
 
         The trackers re-evaluate the loss on the whole batch (one part)
-        without Keras masks, so theirs hold the mask. Each weight has the rank
-        of its output's per-element loss (see :func:`loss_rank`), so a padding
-        row is masked at every time step of a sequence output.
+        without Keras masks, so theirs hold the mask. Each weight has the
+        shape of its output's per-element loss values (rows, and time steps of
+        a sequence; rows alone for a loss averaged per image), so a padding row
+        is masked at every position.
         """
         layout = self.layout
-        reduction = self._loss_reduction()
+        model_reduction = self._loss_reduction()
         parts = units // layout.num_devices  # the parts on this device: its cores, or itself
         global_rows = mask.shape[0] * layout.num_devices
         real_rows = jnp.maximum(real_rows, 1).astype(jnp.float32)
@@ -656,9 +702,14 @@ class ReplicatedSteps:
         def per_row(values, ndim):  # (rows,) -> (rows, 1, ...) of rank ndim
             return _weight_like(values, ndim)
 
-        def weigh(sw, shape, keras_mask):
-            rank = loss_rank(shape.shape)
-            positions = float(np.prod(shape.shape[1:rank], dtype=np.int64))  # per row, unmasked
+        def form_of(shape, form):  # (reduction, rank of the per-element values, their positions per row)
+            if form is None or not form[1] or not shape.shape or form[1][0] != shape.shape[0]:
+                rank = loss_rank(shape.shape)  # (Keras' losses: the last axis reduced)
+                return model_reduction, rank, float(np.prod(shape.shape[1:rank], dtype=np.int64))
+            return form[0], len(form[1]), float(np.prod(form[1][1:], dtype=np.int64))
+
+        def weigh(sw, shape, form, keras_mask):
+            reduction, rank, positions = form_of(shape, form)
             user = None if sw is None else jnp.asarray(sw, jnp.float32)
             w = per_row(mask, rank) if user is None else user * per_row(mask, user.ndim)
             if keras_mask is not None and (keras_mask.ndim != rank or w.ndim > rank):
@@ -683,17 +734,18 @@ class ReplicatedSteps:
                     masked * (global_positions / real_valid))
 
         flat_shapes = tree.flatten(output_shapes)
-        flat_masks = output_masks if output_masks is not None else [None] * len(flat_shapes)
+        flat_forms = forms if forms is not None and len(forms) == len(flat_shapes) else [None] * len(flat_shapes)
+        flat_masks = loss_masks if loss_masks is not None else [None] * len(flat_shapes)
         if sample_weight is not None and tree.is_nested(sample_weight):
             flat_sw = tree.flatten(sample_weight)
-            triples = [weigh(sw, shape, m) for sw, shape, m in zip(flat_sw, flat_shapes, flat_masks)]
+            triples = [weigh(*args) for args in zip(flat_sw, flat_shapes, flat_forms, flat_masks)]
             pack = lambda leaves: tree.pack_sequence_as(sample_weight, leaves)
         else:
-            triples = [weigh(sample_weight, shape, m) for shape, m in zip(flat_shapes, flat_masks)]
-            # The weights differ only by rank, and for "mean_with_sample_weight" by positions per row.
-            same = {(loss_rank(shape.shape), reduction == "mean_with_sample_weight" and shape.shape[1:])
-                    for shape in flat_shapes}
-            if len(triples) == 1 or (len(same) == 1 and output_masks is None):  # one weight fits every output
+            triples = [weigh(sample_weight, *args) for args in zip(flat_shapes, flat_forms, flat_masks)]
+            # The weights differ only by reduction and rank, and for "mean_with_sample_weight" by positions per row.
+            kinds = {(reduction, rank, reduction == "mean_with_sample_weight" and positions)
+                     for reduction, rank, positions in map(form_of, flat_shapes, flat_forms)}
+            if len(triples) == 1 or (len(kinds) == 1 and loss_masks is None):  # one weight fits every output
                 return triples[0]
             pack = lambda leaves: tree.pack_sequence_as(output_shapes, leaves)
         return tuple(pack([t[i] for t in triples]) for i in range(3))
@@ -765,14 +817,17 @@ class ReplicatedSteps:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
         by_core = layout.split_cores
         output_shapes = self._output_shapes(trainable, non_trainable, x)
+        targets = _keras_private.targets_for_loss(model, y, output_shapes)  # (y for the metrics)
         merged = self._cores_merged("train", trainable, non_trainable, x)  # one loss per device, not per core
         units = layout.num_devices if merged else layout.num_cores
+        forms = self._loss_forms(trainable, non_trainable, x, targets)
+        _, loss_masks = self._masks(trainable, non_trainable, x, targets, forms)
         loss_weight, metric_weight, tracker_weight = self._sample_weights(
-            mask, sample_weight, real_rows, output_shapes, units, self._output_masks(trainable, non_trainable, x))
+            mask, sample_weight, real_rows, output_shapes, units, forms, loss_masks)
 
         def device_loss(trainable):  # the device's rows as one batch: no per-core state to keep apart
             loss, (unscaled, y_pred, new_non_trainable, _) = model.compute_loss_and_updates(
-                trainable, non_trainable, metrics_values, x, y, loss_weight, training=True,
+                trainable, non_trainable, metrics_values, x, targets, loss_weight, training=True,
                 optimizer_variables=optimizer_values)
             return loss / units, (unscaled, y_pred, new_non_trainable)
 
@@ -786,7 +841,7 @@ class ReplicatedSteps:
 
         def mean_core_loss(trainable):
             losses, aux = layout.map_cores(core_loss, in_axes=(None, 0, 0, 0, 0))(
-                trainable, by_core(x), by_core(y), by_core(loss_weight), layout.local_core_ids())
+                trainable, by_core(x), by_core(targets), by_core(loss_weight), layout.local_core_ids())
             return jnp.sum(losses) / units, aux
 
         looped = not merged and self._cores_looped(trainable, non_trainable, x)
@@ -809,7 +864,7 @@ class ReplicatedSteps:
                                          (non_trainable, metrics_values, optimizer_values))
 
             (_, (unscaled, y_pred)), grads, combined = layout.value_and_grad_over_cores(
-                core_loss_combining, trainable, by_core(x), by_core(y), by_core(loss_weight),
+                core_loss_combining, trainable, by_core(x), by_core(targets), by_core(loss_weight),
                 layout.local_core_ids(), self._core_shares(mask, real_rows), has_aux=True, carry=list(non_trainable),
                 value_and_grad=core_value_and_grad)
             new_non_trainable = self._device_combined(non_trainable, combined)
@@ -837,11 +892,13 @@ class ReplicatedSteps:
         trainable, non_trainable, metrics_values = state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
         output_shapes = self._output_shapes(trainable, non_trainable, x)
+        targets = _keras_private.targets_for_loss(model, y, output_shapes)  # (y for the metrics)
         merged = self._cores_merged("test", trainable, non_trainable, x)  # one loss per device, not per core
         units = layout.num_devices if merged else layout.num_cores
-        output_masks = self._output_masks(trainable, non_trainable, x)
+        forms = self._loss_forms(trainable, non_trainable, x, targets)
+        output_masks, loss_masks = self._masks(trainable, non_trainable, x, targets, forms)
         loss_weight, metric_weight, tracker_weight = self._sample_weights(
-            mask, sample_weight, real_rows, output_shapes, units, output_masks)
+            mask, sample_weight, real_rows, output_shapes, units, forms, loss_masks)
 
         def core_loss(x, y, loss_weight):
             _, (unscaled, y_pred, _, _) = model.compute_loss_and_updates(
@@ -849,11 +906,11 @@ class ReplicatedSteps:
             return unscaled, y_pred
 
         if merged or layout.cores_per_device == 1:  # one core per device: its rows are the device's
-            unscaled, y_pred = core_loss(x, y, loss_weight)
+            unscaled, y_pred = core_loss(x, targets, loss_weight)
         else:
             by_core = layout.split_cores
             unscaled, y_pred = layout.map_cores(core_loss, in_axes=0, looped=self._cores_looped(
-                trainable, non_trainable, x))(by_core(x), by_core(y), by_core(loss_weight))
+                trainable, non_trainable, x))(by_core(x), by_core(targets), by_core(loss_weight))
             y_pred = layout.merge_cores(y_pred)
         mean_loss = layout.device_sum(jnp.sum(unscaled)) / units
         metrics_values = self._update_metrics(metrics_values, mean_loss, real_rows, x, y,
@@ -1067,6 +1124,8 @@ class _Program:
         self._copies.for_weights(jax.tree.leaves(args[0][0]), read)
 
     def _call(self, state, iterator):
+        """Run the next ``steps_per_execution`` batches: ``[((logs or outputs, state), stacked batches)]``, one
+        entry per program call, in order (batches of other shapes than the previous one's call another)."""
         batches = []
         for _ in range(self.stacker.steps):
             try:
@@ -1077,6 +1136,13 @@ class _Program:
             raise StopIteration
         if self.mode == "predict":
             batches = [(keras.utils.unpack_x_y_sample_weight(b)[0], None, None) for b in batches]
+        results = []
+        for run in same_shape_runs(batches):
+            results.append(self._call_program(state, run))
+            state = results[-1][0][1]
+        return results
+
+    def _call_program(self, state, batches):
         stacked = self.stacker.stack(batches)
         returned = same_arrays(jax.tree.leaves(state), self._last_state)  # Keras hands the state back as it is
         args = self._place(state, stacked, returned)
@@ -1093,11 +1159,8 @@ class _Program:
         if same_program:
             executable = self._last_call[1]
         else:
-            try:
-                executable, compiled = self._executable(args, stacked, layout)
-            except hbm.ResourceExhaustedError:
-                _keras_private.give_back_state(self.builder.model, self.mode, state)  # nothing ran: keep the weights
-                raise
+            executable, compiled = self._executable(args, stacked, layout)  # (a failure keeps the weights:
+            # see ReplicatedSteps._state_kept_on_error)
         self._last_call = batch_key, executable
         if not pod.is_multi_worker():
             started = time.perf_counter()
@@ -1140,11 +1203,12 @@ class _Program:
         return result[:2]
 
     def run_for_logs(self, state, iterator):
-        (logs, state), _ = self._call(state, iterator)
+        (logs, state), _ = self._call(state, iterator)[-1]
         return (pod.to_host(logs) if pod.is_multi_worker() else logs), state
 
     def run_for_outputs(self, state, iterator):
-        (outputs, state), stacked = self._call(state, iterator)
-        if pod.is_multi_worker():
-            outputs = pod.to_host(outputs)
-        return unstack_outputs(outputs, stacked), state
+        results = self._call(state, iterator)
+        parts = [unstack_outputs(pod.to_host(outputs) if pod.is_multi_worker() else outputs, stacked)
+                 for (outputs, _), stacked in results]
+        outputs = parts[0] if len(parts) == 1 else tree.map_structure(lambda *a: np.concatenate(a), *parts)
+        return outputs, results[-1][0][1]

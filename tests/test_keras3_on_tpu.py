@@ -473,3 +473,209 @@ def test_iou_metrics_of_a_segmentation_model(front_end, caplog):
     rng = np.random.default_rng(0)
     x, y = rng.random((100, 8, 8, 3)).astype("float32"), rng.integers(0, 3, (100, 8, 8, 1)).astype("int32")
     fits_like_the_cpu(segmenter, front_end, x, y, caplog)
+
+
+def fits_like_the_cpu_with(build, front_end, x, y, caplog, **fit_kwargs):
+    """:func:`fits_like_the_cpu`, with more arguments for fit and evaluate (sample weights, say), comparing every
+    logged value."""
+    cpu = build(None)
+    tpu = (build(keras_tpu.TPUStrategy(precision="highest").scope()) if front_end == "TPUStrategy" else
+           keras_tpu.keras_to_tpu_model(build(None), keras_tpu.TPUDistributionStrategy(precision="highest")))
+    got = tpu.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, **fit_kwargs).history
+    want = cpu.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, **fit_kwargs).history
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=2e-6, err_msg=key)
+    for a, b in zip(tpu.get_weights(), cpu.get_weights()):
+        np.testing.assert_allclose(a, b, atol=2e-6)
+    for batch_size in (32, 100, 12):
+        got = tpu.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True, **fit_kwargs)
+        want = cpu.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True, **fit_kwargs)
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=2e-6), (batch_size, key)
+    return tpu
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean_with_sample_weight"])
+def test_outputs_whose_losses_reduce_differently(reduction, caplog):
+    """Each output's loss gets the weights of its own reduction (one output summed, the other averaged)."""
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((100, 6)).astype("float32"), rng.standard_normal((100, 3)).astype("float32")
+
+    def build(scope):
+        keras.utils.set_random_seed(0)
+        with scope or contextlib.nullcontext():
+            inputs = keras.Input((6,))
+            h = keras.layers.Dense(8, activation="tanh")(inputs)
+            model = keras.Model(inputs, {"a": keras.layers.Dense(3, name="a")(h), "b": keras.layers.Dense(3, name="b")(h)})
+            model.compile(keras.optimizers.SGD(0.01), {"a": keras.losses.MeanSquaredError(reduction=reduction),
+                                                       "b": keras.losses.MeanAbsoluteError()})
+        return model
+
+    fits_like_the_cpu_with(build, "keras_to_tpu_model", x, {"a": y, "b": y}, caplog,
+                           sample_weight=rng.uniform(0.1, 2, 100).astype("float32"))
+
+
+@pytest.mark.parametrize("front_end", ["TPUStrategy", "keras_to_tpu_model"])
+def test_losses_and_metrics_with_one_value_per_image(front_end, caplog):
+    """Losses and metric functions averaged per image (a Dice loss over each image's pixels, PSNR) give one
+    value per row, not one per pixel: the padding mask takes their shape."""
+    def per_image_mse(y_true, y_pred):
+        return keras.ops.mean(keras.ops.square(y_true - y_pred), axis=(1, 2, 3))
+
+    def psnr(y_true, y_pred):
+        return -10.0 * keras.ops.log(per_image_mse(y_true, y_pred)) / keras.ops.log(10.0)
+
+    def build(scope, loss):
+        keras.utils.set_random_seed(0)
+        with scope or contextlib.nullcontext():
+            model = keras.Sequential([keras.Input((8, 8, 1)),
+                                      keras.layers.Conv2D(1, 3, padding="same", activation="sigmoid")])
+            model.compile("adam", loss, metrics=[psnr])
+        return model
+
+    x = np.random.default_rng(0).uniform(size=(100, 8, 8, 1)).astype("float32")
+    for loss in (per_image_mse, keras.losses.Dice(axis=(1, 2, 3))):
+        fits_like_the_cpu_with(lambda scope: build(scope, loss), front_end, x, x, caplog)
+
+
+def test_a_loss_that_ignores_a_class(caplog):
+    """SparseCategoricalCrossentropy(ignore_class=0) masks the loss values itself (the model has no mask): Keras
+    divides by the rows' valid positions, different on every core of a convolutional tagger, which trains core
+    by core."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((100, 12, 4)).astype("float32")
+    y = rng.integers(1, 5, (100, 12)).astype("int32")
+    for row, length in enumerate(rng.integers(1, 13, 100)):
+        y[row, length:] = 0
+
+    def build(scope):
+        keras.utils.set_random_seed(0)
+        with scope or contextlib.nullcontext():
+            model = keras.Sequential([keras.Input((12, 4)), keras.layers.Conv1D(8, 3, padding="same"),
+                                      keras.layers.Dense(5)])
+            model.compile(keras.optimizers.SGD(0.1),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0))
+        return model
+
+    fits_like_the_cpu_with(build, "keras_to_tpu_model", x, y, caplog)
+
+
+def test_a_metric_of_the_whole_batch_is_exact_where_nothing_is_padded(caplog):
+    """A Keras 2 style metric function that reduces the whole batch (an RMSE) has no row to mask: exact on
+    batches that split evenly over the cores, with a warning that padded batches include padding rows."""
+    def rmse(y_true, y_pred):
+        return keras.ops.sqrt(keras.ops.mean(keras.ops.square(y_pred - y_true)))
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((96, 4)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse", metrics=[rmse])
+        return model
+
+    cpu, tpu = build(), keras_tpu.keras_to_tpu_model(build(), keras_tpu.TPUDistributionStrategy(precision="highest"))
+    with caplog.at_level(logging.WARNING, logger="keras_tpu"):
+        got = tpu.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+    want = cpu.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+    assert got["rmse"] == pytest.approx(want["rmse"], rel=2e-6)
+    assert "gives one value for the whole batch" in caplog.text
+
+
+@pytest.mark.parametrize("front_end", ["TPUStrategy", "keras_to_tpu_model"])
+def test_a_step_that_fails_leaves_the_trained_weights_in_place(front_end, monkeypatch):
+    """Keras takes the weights out of the model's variables for a loop and puts them back when it ends: a step
+    that fails while its program is traced or compiled must not leave the model without them."""
+    from keras_tpu._replicated_steps import ReplicatedSteps
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 4)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    keras.utils.set_random_seed(0)
+    with keras_tpu.TPUStrategy(precision="highest").scope() if front_end == "TPUStrategy" else \
+            contextlib.nullcontext():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    tpu = model if front_end == "TPUStrategy" else keras_tpu.keras_to_tpu_model(
+        model, keras_tpu.TPUDistributionStrategy(precision="highest"))
+    tpu.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    trained = [w.copy() for w in tpu.get_weights()]
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("a step that cannot be traced")
+
+    monkeypatch.setattr(ReplicatedSteps, "_sample_weights", fails)
+    for call in (lambda: tpu.evaluate(x, y, batch_size=16, verbose=0),
+                 lambda: tpu.fit(x, y, batch_size=64, verbose=0)):  # (a batch of 16 pads to the 32 compiled)
+        with pytest.raises(RuntimeError, match="cannot be traced"):
+            call()
+        for got, want in zip(tpu.get_weights(), trained):
+            np.testing.assert_array_equal(got, want)
+    monkeypatch.undo()
+    np.testing.assert_allclose(tpu.predict(x[:2], verbose=0), x[:2] @ trained[0] + trained[1], rtol=1e-5)
+
+
+@pytest.mark.parametrize("front_end", ["TPUStrategy", "keras_to_tpu_model"])
+def test_one_target_for_the_one_output_with_a_loss(front_end, caplog):
+    """keras.io's miniature GPT returns [logits, hidden] and compiles loss=[loss_fn, None] with one target array.
+    At batch 16 each core has 2 rows, as many as the outputs, which Keras would split into one target each."""
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((100, 5, 6)).astype("float32"), rng.integers(0, 4, (100, 5)).astype("int32")
+
+    def build(scope):
+        keras.utils.set_random_seed(0)
+        with scope or contextlib.nullcontext():
+            inputs = keras.Input((5, 6))
+            hidden = keras.layers.Dense(8, activation="relu")(inputs)
+            model = keras.Model(inputs, [keras.layers.Dense(4)(hidden), hidden])
+            model.compile(keras.optimizers.Adam(0.01),
+                          loss=[keras.losses.SparseCategoricalCrossentropy(from_logits=True), None])
+        return model
+
+    cpu = build(None)
+    tpu = (build(keras_tpu.TPUStrategy(precision="highest").scope()) if front_end == "TPUStrategy" else
+           keras_tpu.keras_to_tpu_model(build(None), keras_tpu.TPUDistributionStrategy(precision="highest")))
+    got = tpu.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
+    want = cpu.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(got, want, rtol=2e-6)
+    assert tpu.evaluate(x, y, batch_size=16, verbose=0) == pytest.approx(
+        cpu.evaluate(x, y, batch_size=16, verbose=0), rel=2e-6)
+
+
+@pytest.mark.parametrize("mode", ["fit", "evaluate", "predict"])
+def test_steps_per_execution_over_batches_of_different_lengths(mode):
+    """A generator of token batches of two lengths with steps_per_execution=2: each call's batches stack into a
+    program per length, in their order, as Keras runs them one by one."""
+    def batches():
+        rng = np.random.default_rng(5)
+        while True:
+            for rows, length in ((16, 5), (16, 9), (16, 9), (12, 5)):
+                yield rng.integers(1, 20, (rows, length)).astype("int32"), rng.integers(0, 4, (rows, length))
+
+    def build():
+        keras.utils.set_random_seed(0)
+        pooled = [keras.layers.GlobalAveragePooling1D()] if mode == "predict" else []  # (one row of outputs each)
+        model = keras.Sequential([keras.Input((None,), dtype="int32"), keras.layers.Embedding(20, 8), *pooled,
+                                  keras.layers.Dense(4, activation="softmax")])
+        model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy", steps_per_execution=2)
+        return model
+
+    cpu, tpu = build(), keras_tpu.keras_to_tpu_model(build(), keras_tpu.TPUDistributionStrategy(precision="highest"))
+    if mode == "fit":
+        got = tpu.fit(batches(), steps_per_epoch=7, epochs=2, verbose=0).history["loss"]
+        want = cpu.fit(batches(), steps_per_epoch=7, epochs=2, verbose=0).history["loss"]
+        np.testing.assert_allclose(got, want, rtol=2e-6)
+        for a, b in zip(tpu.get_weights(), cpu.get_weights()):
+            np.testing.assert_allclose(a, b, atol=2e-6)
+    elif mode == "evaluate":
+        assert tpu.evaluate(batches(), steps=7, verbose=0) == pytest.approx(
+            cpu.evaluate(batches(), steps=7, verbose=0), rel=2e-6)
+    else:
+        def inputs():
+            return ((x,) for x, _ in batches())
+
+        got, want = tpu.predict(inputs(), steps=7, verbose=0), cpu.predict(inputs(), steps=7, verbose=0)
+        assert got.shape == want.shape  # (Keras runs 4 calls of 2 steps: 8 batches)
+        np.testing.assert_allclose(got, want, atol=1e-6)
