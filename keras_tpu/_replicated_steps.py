@@ -277,8 +277,22 @@ class ReplicatedSteps:
 
     # -- functions for Keras' loops -------------------------------------------------
 
+    def _refuse_stateful_layers(self):
+        """A stateful RNN keeps a state of the batch size it was built with, which no core's share of the global
+        batch has: say what to do instead of Keras' error from inside the layer."""
+        stateful = [layer.name for layer in _keras_private.all_layers(self.user_model)
+                    if getattr(layer, "stateful", False)]
+        if stateful:
+            raise ValueError(
+                f"{self.user_model.name} has stateful RNN layers ({', '.join(stateful)}), which cannot run on the "
+                f"TPU's cores: each core runs its share of the global batch ({self.layout.num_cores} shares), and "
+                f"a stateful layer keeps its state at the batch size it was built with. Train the model with "
+                f"stateful=False (as Cloud TPU's Shakespeare notebook does), save its weights, and load them into "
+                f"the stateful model on the CPU for generation.")
+
     def train_function(self, steps_per_execution=1):
         """``(state, iterator) -> (logs, state)``, for ``model.train_function``."""
+        self._refuse_stateful_layers()
         if "train_step" in self.custom:
             return self._state_kept_on_error("train", CustomSteps(self).function("train", steps_per_execution))
         return self._state_kept_on_error("train", self._unless_rows_reach_the_loss(
@@ -286,6 +300,7 @@ class ReplicatedSteps:
 
     def test_function(self, steps_per_execution=1):
         """``(state, iterator) -> (logs, state)``, for ``model.test_function``."""
+        self._refuse_stateful_layers()
         if "test_step" in self.custom:
             return self._state_kept_on_error("test", CustomSteps(self).function("test", steps_per_execution))
         return self._state_kept_on_error("test", self._unless_rows_reach_the_loss(
@@ -385,6 +400,7 @@ class ReplicatedSteps:
 
     def predict_function(self, steps_per_execution=1):
         """``(state, iterator) -> (outputs, state)``, for ``model.predict_function``."""
+        self._refuse_stateful_layers()
         if "predict_step" in self.custom:
             return self._state_kept_on_error("predict", CustomSteps(self).function("predict", steps_per_execution))
         return self._state_kept_on_error(

@@ -679,3 +679,18 @@ def test_steps_per_execution_over_batches_of_different_lengths(mode):
         got, want = tpu.predict(inputs(), steps=7, verbose=0), cpu.predict(inputs(), steps=7, verbose=0)
         assert got.shape == want.shape  # (Keras runs 4 calls of 2 steps: 8 batches)
         np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("front_end", ["TPUStrategy", "keras_to_tpu_model"])
+def test_a_stateful_rnn_is_refused_with_what_to_do(front_end):
+    """A stateful RNN keeps its state at the batch size it was built with; no core's share of the batch has it."""
+    with keras_tpu.TPUStrategy(precision="highest").scope() if front_end == "TPUStrategy" else \
+            contextlib.nullcontext():
+        model = keras.Sequential([keras.Input(batch_shape=(16, 5, 3)), keras.layers.LSTM(6, stateful=True),
+                                  keras.layers.Dense(1)])
+        model.compile("adam", "mse")
+    tpu = model if front_end == "TPUStrategy" else keras_tpu.keras_to_tpu_model(model)
+    x, y = np.zeros((32, 5, 3), "float32"), np.zeros((32, 1), "float32")
+    for call in (lambda: tpu.fit(x, y, batch_size=16, verbose=0), lambda: tpu.predict(x, batch_size=16, verbose=0)):
+        with pytest.raises(ValueError, match="stateful RNN layers .* Train the model with stateful=False"):
+            call()
