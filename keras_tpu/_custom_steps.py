@@ -89,14 +89,25 @@ def _shadowed(objects, method, wrap):
 
 
 def gradients_averaged_over_cores():
-    """While tracing one core's step written by the user (a model's own ``train_step``, a
-    ``TPUStrategy.run`` replica function) in this thread: every Keras optimizer applies the cores' mean
-    gradients, as a TPU optimizer applies all-reduced ones (TensorFlow's ``CrossShardOptimizer`` and
-    ``TPUStrategy`` sum the replicas' gradients of a loss scaled by ``1 / num_replicas``: the same mean)."""
+    """While tracing one core's step of a model's own ``train_step`` in this thread: every Keras optimizer
+    applies the cores' mean gradients, as a TPU optimizer applies all-reduced ones. Keras 3's steps compute
+    each core's loss as the mean over its rows; TensorFlow's Keras scaled it by ``1 / num_replicas`` and its
+    optimizers summed the replicas' gradients: the same mean."""
     def core_mean(grads):
         return [None if g is None else lax.pmean(g, CORE_AXIS) for g in grads]
 
     return _keras_private.optimizers_apply(core_mean)
+
+
+def gradients_summed_over_cores():
+    """While tracing a ``TPUStrategy.run`` replica function in this thread: every Keras optimizer applies the
+    sum of the cores' gradients, as TensorFlow's optimizers do in a replica context (their all-reduce sums).
+    TensorFlow's custom training loops scale each replica's loss by ``1 / global batch``
+    (``tf.nn.compute_average_loss``) for that sum to be the gradient of the global batch's mean."""
+    def core_sum(grads):
+        return [None if g is None else lax.psum(g, CORE_AXIS) for g in grads]
+
+    return _keras_private.optimizers_apply(core_sum)
 
 
 def _metric_results_recorded(model, recorded):
@@ -375,4 +386,4 @@ class _CustomProgram:
         return tree.map_structure(lambda *parts: jnp.concatenate(parts), *outputs), state
 
 
-__all__ = ["CustomSteps", "cores_for_rows", "custom_step_methods"]
+__all__ = ["CustomSteps", "cores_for_rows", "custom_step_methods", "gradients_summed_over_cores"]

@@ -375,7 +375,8 @@ class ReplicatedSteps:
         """
         model = self.model
         x, y, _ = keras.utils.unpack_x_y_sample_weight(_abstract(batch))
-        key = jax.tree.structure((x, y)), tuple((a.shape, a.dtype) for a in jax.tree.leaves((x, y)))
+        key = (id(getattr(model, "_compile_loss", None)),  # (recompiled with other losses: checked again)
+               jax.tree.structure((x, y)), tuple((a.shape, a.dtype) for a in jax.tree.leaves((x, y))))
         if key in self._rows_reach_loss:
             return self._rows_reach_loss[key]
         added = []
@@ -649,7 +650,8 @@ class ReplicatedSteps:
         if y is None:
             return None
         core_y = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), self.layout.split_cores(y))
-        key = "loss forms", jax.tree.structure((x, core_y)), tuple(
+        # (a recompiled model has a new CompileLoss, whose losses may reduce otherwise)
+        key = "loss forms", id(getattr(self.model, "_compile_loss", None)), jax.tree.structure((x, core_y)), tuple(
             (a.shape, a.dtype) for a in jax.tree.leaves((x, core_y)))
         if key not in self._core_forwards:
             output_shapes = self._output_shapes(trainable, non_trainable, x)

@@ -50,7 +50,8 @@ import numpy as np
 from keras import tree
 
 from keras_tpu import _keras_private, _pod as pod, _rewrite as rewrite
-from keras_tpu._custom_steps import gradients_averaged_over_cores
+from keras_tpu._custom_steps import gradients_summed_over_cores
+from keras_tpu._logging import logger
 from keras_tpu._placement import Placement, installed_on
 from keras_tpu.mxu import _kernels as kernels
 
@@ -524,18 +525,29 @@ class TPUStrategy:
             [8, 8]
         """
         replicas = self.num_replicas_in_sync
+        one_shot = iter(dataset) is dataset  # a generator: its first pass consumes it (a tf.data dataset repeats)
+        passes = []
 
-        def shard(a):
+        def shard(a, number):
             a = np.asarray(a)
             if a.ndim == 0 or a.shape[0] % replicas:
                 rows = a.shape[0] if a.ndim else "a scalar, not"
-                raise ValueError(f"A global batch of {rows} rows cannot be split evenly over {replicas} "
-                                 f"replicas; use a batch size that is a multiple of {replicas}.")
+                raise ValueError(
+                    f"Global batch {number} of the dataset has {rows} rows, which cannot be split evenly over "
+                    f"{replicas} replicas. Use a batch size that is a multiple of {replicas}, and drop a partial "
+                    f"last batch (TensorFlow's dataset.batch(n, drop_remainder=True)) or pad it.")
             return a.reshape((replicas, a.shape[0] // replicas) + a.shape[1:])
 
         def batches():
-            for batch in dataset:
-                yield PerReplica(tree.map_structure(shard, batch))
+            passes.append(0)
+            for number, batch in enumerate(dataset, 1):
+                passes[-1] = number
+                yield PerReplica(tree.map_structure(lambda a, number=number: shard(a, number), batch))
+            if one_shot and len(passes) > 1 and not passes[-1]:
+                logger.warning(
+                    "The dataset given to experimental_distribute_dataset is a one-shot iterator (a Python "
+                    "generator) that an earlier pass consumed: this pass has no batches. Pass a list of batches, "
+                    "or distribute a new generator for each epoch.")
 
         return DistributedDataset(batches, f"global batches split over {replicas} replicas")
 
@@ -811,13 +823,23 @@ class _RecordingScope(keras.StatelessScope):
 
 
 def _combine_over_cores(variable, old, per_core):
-    """A variable's value after every core assigned its own: by the variable's Keras aggregation."""
+    """A variable's value after every core assigned its own: by the variable's Keras aggregation.
+
+    A non-trainable float variable that the cores set apart (BatchNormalization's
+    moving statistics, which Keras 3 aggregates as "none") is averaged, as
+    TensorFlow reads its variables synchronised on read (``MEAN``); where the
+    cores agree (an optimizer's slots, computed from the all-reduced gradients)
+    it stays the cores' value exactly.
+    """
     aggregation = getattr(variable, "aggregation", "none")
     if aggregation == "sum":  # metric states: each core's increment counts
         return old + jnp.sum(per_core - old, axis=0).astype(old.dtype)
     if aggregation == "mean":
         return jnp.mean(per_core, axis=0).astype(old.dtype)
-    return per_core[0]  # weights, optimizer slots and counters: the same on every core
+    if aggregation == "none" and not variable.trainable and jnp.issubdtype(old.dtype, jnp.floating):
+        agree = jnp.all(per_core == per_core[0], axis=0)
+        return jnp.where(agree, per_core[0], jnp.mean(per_core, axis=0).astype(old.dtype))
+    return per_core[0]  # weights and counters: the same on every core
 
 
 class _RunProgram:
@@ -827,7 +849,7 @@ class _RunProgram:
     update metrics and apply gradients with an optimizer. Here ``fn`` is traced
     once abstractly to find the Keras variables it reads and assigns; their
     values go into the program, each core runs ``fn`` under a ``StatelessScope``
-    mapping them (optimizers applying the cores' mean gradients), and the new
+    mapping them (optimizers applying the sum of the cores' gradients, as TensorFlow's do), and the new
     values are written back after the call, combined over the cores by each
     variable's aggregation (metrics summed; weights and slots, identical on every
     core, taken once).
@@ -854,7 +876,7 @@ class _RunProgram:
 
         def core_fn(values, replicated, sharded):
             mapping = list(zip(self.variables, values))
-            with gradients_averaged_over_cores(), keras.StatelessScope(state_mapping=mapping) as scope:
+            with gradients_summed_over_cores(), keras.StatelessScope(state_mapping=mapping) as scope:
                 outputs = self._call_fn(replicated, [jax.tree.map(lambda a: a[0], x) for x in sharded])
             position = {id(v): i for i, v in enumerate(self.variables)}  # (Keras variables compare by value)
             old_values = [values[position[id(v)]] for v in self.written]

@@ -348,11 +348,17 @@ class KerasTPUModel(keras.Model):
     # -- TF 1.x Keras' generator methods, on Keras 3's fit/evaluate/predict ----------------
 
     @staticmethod
-    def _as_tuples(generator):
-        """TF 1.x's generators may yield bare input batches or lists; Keras 3 takes tuples only."""
+    def _as_tuples(generator, inputs_only=False):
+        """TF 1.x's generators may yield bare input batches or lists; Keras 3 takes tuples only.
+
+        A list is ``[x, y]`` for training and evaluation, as TF 1.x read it,
+        and the inputs of a model with several (``inputs_only``, for
+        prediction: TF 1.x's ``predict_generator`` took any non-tuple as ``x``).
+        """
         if not isinstance(generator, collections.abc.Iterator):
             return generator  # a keras.utils.PyDataset, or anything else Keras 3 reads as it is
-        return (item if isinstance(item, tuple) else tuple(item) if isinstance(item, list) else (item,)
+        return (item if isinstance(item, tuple) else
+                tuple(item) if isinstance(item, list) and not inputs_only else (item,)
                 for item in generator)
 
     def fit_generator(self, generator, steps_per_epoch=None, epochs=1, verbose=1, callbacks=None,
@@ -383,7 +389,8 @@ class KerasTPUModel(keras.Model):
                           use_multiprocessing=False, verbose=0):
         """TF 1.x's ``predict_generator``: ``predict`` on a generator of input batches (bare arrays or ``(x,)``
         tuples, as in TF 1.x; ``max_queue_size``, ``workers`` and ``use_multiprocessing`` have no effect)."""
-        return self.predict(self._as_tuples(generator), steps=steps, callbacks=callbacks, verbose=verbose)
+        return self.predict(self._as_tuples(generator, inputs_only=True), steps=steps, callbacks=callbacks,
+                            verbose=verbose)
 
     # -- weights --------------------------------------------------------------------------
 

@@ -448,6 +448,18 @@ def test_generator_methods_train_evaluate_and_predict_on_the_tpu():
     np.testing.assert_allclose(predictions, tpu_model.predict(x, batch_size=32, verbose=0), atol=1e-6)
 
 
+def test_predict_generator_of_a_model_with_two_inputs_takes_lists_of_inputs():
+    """TF 1.x's predict_generator took any batch that is not a tuple as the inputs: a list is a model's inputs."""
+    first, second = keras.Input((3,)), keras.Input((2,))
+    model = keras.Model([first, second], keras.layers.Dense(2)(keras.layers.Concatenate()([first, second])))
+    model.compile("sgd", "mse")
+    tpu_model = on_tpu(model)
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((20, 3)).astype("float32"), rng.standard_normal((20, 2)).astype("float32")
+    predictions = tpu_model.predict_generator(([a[i:i + 8], b[i:i + 8]] for i in range(0, 20, 8)), steps=3)
+    np.testing.assert_allclose(predictions, tpu_model.predict([a, b], verbose=0), atol=1e-6)
+
+
 def test_kwargs_arguments_work():
     x, y = classification_data(64)
     tpu_model = on_tpu(small_classifier())

@@ -162,11 +162,13 @@ def test_a_custom_training_loop_with_run_reduce_and_grad():
     assert "mxu_dot_general" in jaxpr and " dot_general[" not in jaxpr
 
 
-def test_a_custom_loop_updates_metrics_and_applies_gradients_inside_strategy_run():
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_a_custom_loop_updates_metrics_and_applies_gradients_inside_strategy_run(optimizer):
     """TensorFlow 2's custom training loop: strategy.run(train_step) where train_step calls the model, updates
     Keras metrics and applies the gradients with an optimizer (Adam: its slots are created on the first step,
-    inside the replica function). Gradients are averaged over the replicas, metrics combined; equal to the
-    same loop on the CPU over whole batches."""
+    inside the replica function). Each replica scales its loss by 1 / global batch (tf.nn.compute_average_loss),
+    the optimizer sums the replicas' gradients, as TensorFlow's does in a replica context; metrics combined;
+    equal to the same loop on the CPU over whole batches (SGD shows the gradients' scale)."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((64, 4)).astype("float32")
     y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")
@@ -174,8 +176,8 @@ def test_a_custom_loop_updates_metrics_and_applies_gradients_inside_strategy_run
     def setup():
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
-        return model, keras.optimizers.Adam(0.05), keras.metrics.Mean("loss"), \
-            keras.metrics.SparseCategoricalAccuracy("accuracy")
+        chosen = keras.optimizers.Adam(0.05) if optimizer == "adam" else keras.optimizers.SGD(0.5)
+        return model, chosen, keras.metrics.Mean("loss"), keras.metrics.SparseCategoricalAccuracy("accuracy")
 
     def make_step(model, optimizer, loss_metric, accuracy):
         def train_step(inputs):
@@ -184,16 +186,18 @@ def test_a_custom_loop_updates_metrics_and_applies_gradients_inside_strategy_run
             def loss_of(trainable):
                 logits, _ = model.stateless_call(trainable, [v.value for v in model.non_trainable_variables],
                                                  features)
-                return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(labels, logits,
-                                                                                   from_logits=True)), logits
+                per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+                return keras.ops.sum(per_example) / GLOBAL_BATCH, (logits, per_example)
 
-            (loss, logits), grads = jax.value_and_grad(loss_of, has_aux=True)(
+            (loss, (logits, per_example)), grads = jax.value_and_grad(loss_of, has_aux=True)(
                 [v.value for v in model.trainable_variables])
-            loss_metric.update_state(loss)
+            loss_metric.update_state(per_example)
             accuracy.update_state(labels, logits)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return loss
         return train_step
+
+    GLOBAL_BATCH = 32
 
     strategy = keras_tpu.TPUStrategy(precision="highest")
     with strategy.scope():
@@ -208,10 +212,40 @@ def test_a_custom_loop_updates_metrics_and_applies_gradients_inside_strategy_run
     tpu_model, tpu_optimizer, tpu_loss, tpu_accuracy = tpu_parts
     cpu_model, cpu_optimizer, cpu_loss, cpu_accuracy = cpu_parts
     assert all(len(strategy.experimental_local_results(l)) == 8 for l in losses)
-    np.testing.assert_allclose([float(strategy.reduce("MEAN", l)) for l in losses], cpu_losses, rtol=1e-5)
+    np.testing.assert_allclose([float(strategy.reduce("SUM", l)) for l in losses], cpu_losses, rtol=1e-5)
     assert int(tpu_optimizer.iterations.value) == int(cpu_optimizer.iterations.value) == 2
     for a, b in zip(tpu_model.get_weights(), cpu_model.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-5)
     np.testing.assert_allclose(float(tpu_loss.result()), float(cpu_loss.result()), rtol=1e-5)
     assert float(tpu_accuracy.result()) == pytest.approx(float(cpu_accuracy.result()))
     assert float(tpu_accuracy.count.value) == 64  # every row of both steps, over all replicas
+
+
+def test_moving_statistics_set_in_strategy_run_are_the_cores_mean():
+    """BatchNormalization's moving statistics, updated by every replica on its own rows in strategy.run, read
+    as their mean over the replicas (TensorFlow's variables synchronised on read, MEAN), not one core's."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((64, 2)) * 2 + np.arange(64)[:, None] / 8).astype("float32")  # rows differ by core
+    strategy = keras_tpu.TPUStrategy(precision="highest")
+    with strategy.scope():
+        layer = keras.layers.BatchNormalization(momentum=0.5)
+        model = keras.Sequential([keras.Input((2,)), layer])
+    (batch,) = strategy.experimental_distribute_dataset([x])
+    strategy.run(lambda rows: model(rows, training=True), args=(batch,))
+    cores = x.reshape(8, 8, 2)
+    np.testing.assert_allclose(layer.moving_mean.numpy(), 0.5 * 0 + 0.5 * cores.mean(axis=1).mean(axis=0),
+                               rtol=1e-5)
+    np.testing.assert_allclose(layer.moving_variance.numpy(), 0.5 * 1 + 0.5 * cores.var(axis=1).mean(axis=0),
+                               rtol=1e-5)
+
+
+def test_distributed_batches_that_do_not_split_and_a_consumed_generator_say_what_to_do(caplog):
+    strategy = keras_tpu.TPUStrategy()
+    partial = strategy.experimental_distribute_dataset([np.ones((32, 2)), np.ones((20, 2))])
+    with pytest.raises(ValueError, match="Global batch 2 of the dataset has 20 rows.*drop_remainder=True"):
+        list(partial)
+    generator = strategy.experimental_distribute_dataset(np.ones((16, 2)) for _ in range(3))
+    assert len(list(generator)) == 3
+    with caplog.at_level(logging.WARNING, logger="keras_tpu"):
+        assert list(generator) == []  # as a Python generator: consumed by the first epoch
+    assert "one-shot iterator" in caplog.text
