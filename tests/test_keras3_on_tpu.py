@@ -694,3 +694,21 @@ def test_a_stateful_rnn_is_refused_with_what_to_do(front_end):
     for call in (lambda: tpu.fit(x, y, batch_size=16, verbose=0), lambda: tpu.predict(x, batch_size=16, verbose=0)):
         with pytest.raises(ValueError, match="stateful RNN layers .* Train the model with stateful=False"):
             call()
+
+
+def test_recompiling_with_another_reduction_weighs_the_new_loss():
+    """What the programs learnt of the compiled losses (their reductions, their values' shapes) belongs to that
+    compile: a model recompiled with other losses is weighed by them."""
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((100, 6)).astype("float32"), rng.standard_normal((100, 3)).astype("float32")
+    weights = np.linspace(0.5, 2, 100).astype("float32")
+    keras.utils.set_random_seed(0)
+    cpu = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    tpu = keras_tpu.keras_to_tpu_model(keras.models.clone_model(cpu),
+                                       keras_tpu.TPUDistributionStrategy(precision="highest"))
+    tpu.set_weights(cpu.get_weights())
+    for reduction in ("sum_over_batch_size", "sum", "mean_with_sample_weight"):
+        for model in (cpu, tpu):
+            model.compile("sgd", keras.losses.MeanSquaredError(reduction=reduction))
+        assert tpu.evaluate(x, y, sample_weight=weights, batch_size=32, verbose=0) == pytest.approx(
+            cpu.evaluate(x, y, sample_weight=weights, batch_size=32, verbose=0), rel=2e-6), reduction
