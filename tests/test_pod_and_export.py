@@ -17,14 +17,22 @@ from tests.conftest import REPO
 from tests.tpu_helpers import classification_data, on_tpu, small_classifier, small_cnn
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(count):
+    """``count`` distinct free ports: each socket stays bound until all are chosen (the OS may hand a port just
+    closed out again: two workers once got the same one)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sockets.append(socket.socket())
+            sockets[-1].bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def launch(code, workers, cores_per_worker, *args):
-    addresses = ",".join(f"localhost:{free_port()}" for _ in range(workers))
+    addresses = ",".join(f"localhost:{port}" for port in free_ports(workers))
     processes = []
     for task in range(workers):
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}

@@ -115,9 +115,9 @@ def in_process_with(env, code="import keras_tpu"):
 def pod_of_two(tmp_path, second_worker_env):
     """Start two workers whose second one differs by ``second_worker_env``; both must stop within
     seconds with the same message; raise it."""
-    from tests.test_pod_and_export import free_port
+    from tests.test_pod_and_export import free_ports
 
-    addresses = [f"localhost:{free_port()}" for _ in range(3)]
+    addresses = [f"localhost:{port}" for port in free_ports(3)]
     processes = []
     for task in range(2):
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
