@@ -908,6 +908,13 @@ class _RunProgram:
             if "compiler_options" not in str(error):
                 raise
             outputs, per_core = self.nested_program(values, replicated, sharded)
+        if self.written and any(isinstance(a, jax.core.Tracer) for a in per_core):
+            raise RuntimeError(
+                "strategy.run was called inside a function JAX traces (jax.jit, the port of @tf.function), and its "
+                f"replica function updates Keras variables ({', '.join(v.path for v in self.written[:3])}"
+                f"{', ...' if len(self.written) > 3 else ''}): their new values would be traced values, lost after "
+                "the trace. Call strategy.run outside jax.jit: it compiles its program once and runs it as one "
+                "TPU program, as @tf.function does.")
         olds = {id(v): value for v, value in zip(self.variables, values)}
         for variable, stacked in zip(self.written, per_core):
             variable.assign(_combine_over_cores(variable, olds[id(variable)], stacked))

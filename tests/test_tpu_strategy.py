@@ -249,3 +249,33 @@ def test_distributed_batches_that_do_not_split_and_a_consumed_generator_say_what
     with caplog.at_level(logging.WARNING, logger="keras_tpu"):
         assert list(generator) == []  # as a Python generator: consumed by the first epoch
     assert "one-shot iterator" in caplog.text
+
+
+def test_strategy_run_inside_jax_jit_refuses_to_update_variables():
+    """@tf.function around strategy.run ports as jax.jit: a replica function that only computes runs inside it,
+    but one that updates Keras variables (an optimizer's step) would leave traced values in them."""
+    strategy = keras_tpu.TPUStrategy(precision="highest")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        optimizer = keras.optimizers.SGD(0.1)
+    x = np.ones((16, 4), "float32")
+    before = [w.copy() for w in model.get_weights()]
+
+    def train_step(features):
+        grads = jax.grad(lambda trainable: keras.ops.sum(model.stateless_call(trainable, [], features)[0]))(
+            [v.value for v in model.trainable_variables])
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return features
+
+    @jax.jit
+    def step(stacked):
+        return strategy.run(train_step, args=(keras_tpu.PerReplica(stacked),))
+
+    (batch,) = strategy.experimental_distribute_dataset([x])
+    with pytest.raises(RuntimeError, match="Call strategy.run outside jax.jit"):
+        step(batch.stacked)
+    for got, want in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(got, want)
+    total = jax.jit(lambda stacked: strategy.reduce(
+        "SUM", strategy.run(lambda rows: keras.ops.sum(rows * 2), args=(keras_tpu.PerReplica(stacked),)), axis=None))
+    assert float(total(batch.stacked)) == 2 * x.sum()
