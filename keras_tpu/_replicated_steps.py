@@ -811,17 +811,18 @@ class ReplicatedSteps:
                 combined.append(new[0])
         return combined
 
-    def _update_metrics(self, metrics_values, loss, real_rows, x, y, y_pred, mask, metric_weight, loss_weight,
+    def _update_metrics(self, metrics_values, loss, real_rows, x, y, y_pred, mask, metric_weight, tracker_weight,
                         output_masks=None):
-        """The metrics updated with the step's global batch (the devices' rows gathered). ``output_masks``: the
-        outputs' Keras masks, which evaluation's metrics read (Keras' training step reads ``y_pred`` from the
-        gradient's auxiliary outputs, which carry none)."""
-        x, y, y_pred, mask, metric_weight, loss_weight, output_masks = self.layout.device_gather(
-            (x, y, y_pred, mask, metric_weight, loss_weight, output_masks))
+        """The metrics updated with the step's global batch (the devices' rows gathered); ``tracker_weight`` is
+        the per-output loss trackers' (see :meth:`_sample_weights`). ``output_masks``: the outputs' Keras masks,
+        which evaluation's metrics read (Keras' training step reads ``y_pred`` from the gradient's auxiliary
+        outputs, which carry none)."""
+        x, y, y_pred, mask, metric_weight, tracker_weight, output_masks = self.layout.device_gather(
+            (x, y, y_pred, mask, metric_weight, tracker_weight, output_masks))
         if output_masks is not None:
             y_pred = _keras_private.with_keras_masks(y_pred, output_masks)
         _, new_values = _keras_private.update_metrics(self.model, metrics_values, loss, real_rows, x, y, y_pred,
-                                                      mask, metric_weight, loss_weight)
+                                                      mask, metric_weight, tracker_weight)
         return new_values
 
     @_losses_summed

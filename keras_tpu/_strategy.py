@@ -460,7 +460,7 @@ class TPUStrategy:
 
     @property
     def num_replicas_in_sync(self):
-        """The number of replicas (cores) over which gradients are averaged: 8 on a v2-8."""
+        """The number of replicas (cores) in sync, over which a global batch is split: 8 on a v2-8."""
         return self.layout.num_cores
 
     @property
