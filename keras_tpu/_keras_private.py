@@ -118,7 +118,7 @@ def losses_summed(model, reduction="mean_with_sample_weight"):
     Only ``Loss`` objects the user compiled can have such a reduction (Keras
     wraps names and functions with ``"sum_over_batch_size"``); Keras' compiled
     loss uses those same objects. :func:`loss_reductions` still reports their
-    own reduction. Yields whether any loss was changed.
+    own reduction.
 
     Example:
         >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
@@ -139,7 +139,7 @@ def losses_summed(model, reduction="mean_with_sample_weight"):
         loss.reduction = "sum"
         _summed_losses[id(loss)] = reduction  # loss_reductions still reports it
     try:
-        yield bool(changed)
+        yield
     finally:
         for loss in changed:
             loss.reduction = reduction
@@ -322,17 +322,18 @@ def loss_forms(model, y, y_pred):
     return forms
 
 
-def loss_masks(model, y, y_pred):
+def loss_masks(model, y, y_pred, forms):
     """The mask Keras' compiled loss applies to each output's per-element values (for each output in
     ``keras.tree.flatten(y_pred)``; ``None`` where there is none): the output's own Keras mask, and the mask
     the loss puts on its values (``ignore_class``), combined as ``Loss.__call__`` combines them.
 
-    ``y_pred`` is the model's real outputs, with their masks; each loss that
-    masks its values is computed again here for its mask (a comparison of the
-    targets, which is all XLA keeps of it).
+    ``y_pred`` is the model's real outputs, with their masks; ``forms`` are
+    their losses' (:func:`loss_forms`). Each loss that masks its values is
+    computed again here for its mask (a comparison of the targets, which is
+    all XLA keeps of it).
     """
     masks = [get_keras_mask(output) for output in keras.tree.flatten(y_pred)]
-    forms = loss_forms(model, y, y_pred) or []
+    forms = forms or []
     for i, loss, _, y_t, y_p in _compiled_losses(model, y, y_pred):
         if i is not None and i < len(forms) and forms[i] is not None and forms[i][2]:
             values_mask = get_keras_mask(loss.call(y_t, y_p))

@@ -676,7 +676,7 @@ class ReplicatedSteps:
 
         def core_masks(core_rows, core_y):
             outputs = self.model.stateless_call(trainable, non_trainable, core_rows, **kwargs)[0]
-            loss_masks = _keras_private.loss_masks(self.model, core_y, outputs) if core_y is not None else \
+            loss_masks = _keras_private.loss_masks(self.model, core_y, outputs, forms) if core_y is not None else \
                 _keras_private.keras_masks(outputs)
             return as_float(_keras_private.keras_masks(outputs)), as_float(loss_masks)
 
@@ -717,9 +717,6 @@ class ReplicatedSteps:
         global_rows = mask.shape[0] * layout.num_devices
         real_rows = jnp.maximum(real_rows, 1).astype(jnp.float32)
 
-        def per_row(values, ndim):  # (rows,) -> (rows, 1, ...) of rank ndim
-            return _weight_like(values, ndim)
-
         def form_of(shape, form):  # (reduction, rank of the per-element values, their positions per row)
             if form is None or not form[1] or not shape.shape or form[1][0] != shape.shape[0]:
                 rank = loss_rank(shape.shape)  # (Keras' losses: the last axis reduced)
@@ -729,7 +726,7 @@ class ReplicatedSteps:
         def weigh(sw, shape, form, keras_mask):
             reduction, rank, positions = form_of(shape, form)
             user = None if sw is None else jnp.asarray(sw, jnp.float32)
-            w = per_row(mask, rank) if user is None else user * per_row(mask, user.ndim)
+            w = _weight_like(mask, rank) if user is None else user * _weight_like(mask, user.ndim)
             if keras_mask is not None and (keras_mask.ndim != rank or w.ndim > rank):
                 keras_mask = None  # a mask Keras broadcasts its own way: counted as unmasked
             masked = w if keras_mask is None else w.reshape(w.shape + (1,) * (rank - w.ndim)) * keras_mask
@@ -744,11 +741,11 @@ class ReplicatedSteps:
                 return w * (units / total), w, masked / total
             if keras_mask is None:  # every part counts rows x positions
                 return w * (global_rows / real_rows), w, w * (global_rows / real_rows)
-            real_valid = layout.device_sum(jnp.sum(keras_mask * per_row(mask, rank)))
+            real_valid = layout.device_sum(jnp.sum(keras_mask * _weight_like(mask, rank)))
             real_valid = jnp.where(real_valid == 0, 1.0, real_valid)
             part_valid = jnp.repeat(jnp.sum(keras_mask.reshape(parts, -1), axis=1), mask.shape[0] // parts)
             global_positions = global_rows * positions
-            return (w * per_row(part_valid * (units / real_valid), w.ndim), w,
+            return (w * _weight_like(part_valid * (units / real_valid), w.ndim), w,
                     masked * (global_positions / real_valid))
 
         flat_shapes = tree.flatten(output_shapes)
