@@ -371,10 +371,14 @@ class ReplicatedSteps:
         adds losses (weight regularisers excluded), or a compiled loss gives no
         value per row (:func:`keras_tpu._keras_private.losses_not_per_row`).
 
-        Traced abstractly once per input shape, for the train and test programs alike.
+        Traced abstractly on one core's rows, once per input shape, for the train and test programs alike.
         """
         model = self.model
-        x, y, _ = keras.utils.unpack_x_y_sample_weight(_abstract(batch))
+        # One core's rows, as each core runs them (a graph with a static per-core batch, TPUEstimator's, takes
+        # no other).
+        core_rows = -(-keras.tree.flatten(batch)[0].shape[0] // self.layout.num_cores)
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((core_rows,) + a.shape[1:], jnp.result_type(a)), batch))
         key = (id(getattr(model, "_compile_loss", None)),  # (recompiled with other losses: checked again)
                jax.tree.structure((x, y)), tuple((a.shape, a.dtype) for a in jax.tree.leaves((x, y))))
         if key in self._rows_reach_loss:

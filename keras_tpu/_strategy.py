@@ -89,6 +89,11 @@ class PerReplica:
         return f"PerReplica({self.num_replicas} replicas of {shapes})"
 
 
+# A JAX pytree: a PerReplica passes into and out of jax.jit (the port of @tf.function) as its stacked arrays.
+jax.tree_util.register_pytree_node(PerReplica, lambda value: ((value.stacked,), None),
+                                   lambda _, children: PerReplica(children[0]))
+
+
 def _stack(values, what):
     """One ``PerReplica`` from a list of per-replica pytrees (same structure and shapes on every replica)."""
     try:

@@ -42,10 +42,21 @@ the input than the steps run: ``evaluate(steps=1)`` takes one global batch,
 and ``predict`` is a lazy generator, one device call of at most
 ``iterations_per_loop`` batches at a time, so it works on endless inputs.
 
-Evaluation runs the graph one example at a time (vectorised), so the loss is
-the mean of per-example losses over the real examples, exact with a padded
-last batch for losses that average over the batch; ``metric_fn`` is called
-once, on the concatenated metric tensors of all real evaluation examples.
+Evaluation and prediction run the graph as a TPU does: on each core's batch
+of ``params["batch_size"]`` rows, which is the static batch dimension of
+``features`` and ``labels`` on the TPU (``features.shape[0]``, and a
+``reshape`` to ``params["batch_size"]`` rows, work as in TensorFlow). The
+evaluation loss is the mean of the cores' losses over all batches, each
+weighed by its real rows; TensorFlow's TPUEstimator reports core 0's, which
+is the same for a loss that averages over the batch and noisier otherwise.
+``metric_fn`` is called once, on the concatenated metric tensors of all real
+evaluation examples; those tensors, and the predictions, must keep the batch
+dimension (one row per example), as on a TPU. A partial last batch is padded
+to whole cores' batches (on the CPU it runs at its own size) and the padding
+is removed from the metric tensors and predictions; a core that holds real
+and padding rows computes its loss over both (a TPU cannot run a partial
+batch at all: TensorFlow's input functions use ``drop_remainder=True``), and
+a warning says so.
 
 Checkpoints are ``model_dir/ckpt-<step>.npz`` files (:mod:`keras_tpu._checkpoints`);
 :meth:`TPUEstimator.latest_checkpoint` returns the newest one's path, and
@@ -90,6 +101,16 @@ from keras_tpu import _checkpoints as checkpoints, _validation as validation
 from keras_tpu._logging import logger
 from keras_tpu._cluster import TPUClusterResolver
 from keras_tpu._placement import Placement
+# TensorFlow's tf.estimator.train_and_evaluate and its specs and exporters, beside the estimator as users import them.
+from keras_tpu._train_and_evaluate import (EvalSpec, Exporter, FinalExporter, LatestExporter, TrainSpec,
+                                           train_and_evaluate)
+
+__all__ = [
+    "CheckpointSaverListener", "CrossShardOptimizer", "EvalSpec", "ExportSavedModelApiVersion", "Exporter",
+    "FinalExporter", "InputPipelineConfig", "LatestExporter", "ModeKeys", "RunConfig", "SessionRunContext",
+    "SessionRunHook", "SessionRunValues", "TPUConfig", "TPUContext", "TPUEstimator", "TPUEstimatorSpec", "TrainSpec",
+    "WarmStartSettings", "train_and_evaluate", "variable_names",
+]
 
 
 class ModeKeys:
@@ -576,24 +597,43 @@ class TPUContext:
 
 
 class _GraphModel(keras.Model):
-    """The graph ``model_fn`` built, as a Keras model whose loss is one of its outputs."""
+    """The graph ``model_fn`` built, as a Keras model whose loss is one of its outputs.
 
-    def __init__(self, graph, per_example, loss_scale=1.0):
+    Each core runs the graph on its own batch, as a TPU does. In EVAL the
+    loss (one number per core) is given to each of the core's rows, so that
+    the outputs of all cores and batches are rows, which the replicated
+    programs concatenate and from which padding rows are removed.
+    """
+
+    def __init__(self, graph, mode, loss_scale=1.0):
         super().__init__(name=f"{graph.name}_model")
         self.graph = graph
-        self.per_example = per_example
+        self.mode = mode
         self.loss_scale = loss_scale
         self.built = True  # the functional graph holds every variable already
 
     def call(self, inputs, training=False):
-        if not self.per_example:
-            return self.graph(inputs, training=training)
+        outputs = self.graph(inputs, training=training)
+        if self.mode == ModeKeys.TRAIN:
+            return outputs
+        rows = keras.ops.shape(tree.flatten(inputs)[0])[0]
+        return {key: self._per_row(key, value, rows) for key, value in outputs.items()}
 
-        def one(example):  # a batch of one: per-example losses and metric tensors
-            out = self.graph(tree.map_structure(lambda t: t[None], example), training=False)
-            return tree.map_structure(lambda t: t[0] if jnp.ndim(t) else t, out)
-
-        return jax.vmap(one)(inputs)
+    def _per_row(self, key, value, rows):
+        if self.mode == ModeKeys.EVAL and key == "loss":
+            if keras.ops.ndim(value) != 0:
+                raise ValueError(f"The EVAL loss of model_fn must be a scalar; got shape {tuple(value.shape)}.")
+            return keras.ops.broadcast_to(value, (rows,))
+        shape = tuple(value.shape)
+        if not shape or shape[0] != rows:
+            what = (f"eval_metrics tensor {key[len('metric/'):]!r}" if key.startswith("metric/")
+                    else f"prediction {key!r}")
+            raise ValueError(
+                f"The {what} has shape {shape}, but a core's batch has {rows} rows: the tensors of eval_metrics "
+                f"and predictions must keep the batch dimension, one row per example, as on a TPU (TensorFlow: "
+                f"'All tensors outfed from TPU should preserve batch size dimension'). Reduce over the batch in "
+                f"metric_fn instead.")
+        return value
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         return y_pred["loss"] * self.loss_scale
@@ -616,13 +656,28 @@ def _call_model_fn(model_fn, features, labels, mode, params, config):
     return spec
 
 
-def _symbolic(example, name):
-    """Keras inputs shaped like one batch of ``example`` (an array or dict of arrays)."""
+def _symbolic(example, name, batch_size=None):
+    """Keras inputs shaped like one batch of ``example`` (an array or dict of arrays), of ``batch_size`` rows
+    (``None``: any)."""
+    def symbolic(array, name):
+        array = np.asarray(array)
+        return keras.Input(batch_shape=(batch_size,) + array.shape[1:], dtype=str(array.dtype), name=name)
+
     if isinstance(example, dict):
-        return {key: keras.Input(shape=np.shape(value)[1:], dtype=str(np.asarray(value).dtype), name=key)
-                for key, value in example.items()}
-    array = np.asarray(example)
-    return keras.Input(shape=array.shape[1:], dtype=str(array.dtype), name=name)
+        return {key: symbolic(value, key) for key, value in example.items()}
+    return symbolic(example, name)
+
+
+def _padded(data, rows):
+    """``data``'s arrays with ``rows`` rows: padding rows are copies of the first row, as
+    :mod:`keras_tpu._batching` pads."""
+    def pad(array):
+        array = np.asarray(array)
+        if len(array) == rows:
+            return array
+        return np.concatenate([array, np.repeat(array[:1], rows - len(array), axis=0)])
+
+    return tree.map_structure(pad, data)
 
 
 def _rows(data):
@@ -827,6 +882,7 @@ class TPUEstimator:
                               num_cores=tpu_config.num_shards, steps_per_execution=self.iterations_per_loop,
                               owner="TPUEstimator") if self.use_tpu else None
         self._cpu = None
+        self._warned_partial_core = False  # see _fed_rows
         self._topology = self._tpu.topology if self._tpu is not None else None
         self._job_name = self._tpu.resolver.job_name if self._tpu is not None else "worker"
         for argument, size in (("train_batch_size", train_batch_size), ("eval_batch_size", eval_batch_size),
@@ -977,8 +1033,11 @@ class TPUEstimator:
             yield features, labels
 
     def _build(self, mode, features, labels, export=False):
-        keras_features = _symbolic(features, "features")
-        keras_labels = None if labels is None else _symbolic(labels, "labels")
+        # On the TPU each core's batch has params["batch_size"] rows, its static shape (TensorFlow's infeed
+        # shapes); an export takes any batch, and the CPU the batches as they come.
+        rows = None if export or not self._on_tpu(mode) else self._batch_size_param(mode)
+        keras_features = _symbolic(features, "features", rows)
+        keras_labels = None if labels is None else _symbolic(labels, "labels", rows)
         spec = _call_model_fn(self.model_fn, keras_features, keras_labels, mode, self._model_params(mode, export),
                               self.config)
         inputs = [keras_features] if keras_labels is None else [keras_features, keras_labels]
@@ -1018,7 +1077,7 @@ class TPUEstimator:
                                  "cores' gradients are combined.")
             if not isinstance(optimizer, keras.optimizers.Optimizer):
                 raise TypeError(f"train_op must be a Keras optimizer or CrossShardOptimizer; got {type(optimizer)}.")
-        model = _GraphModel(graph, per_example=mode != ModeKeys.TRAIN, loss_scale=loss_scale)
+        model = _GraphModel(graph, mode, loss_scale=loss_scale)
         model.compile(optimizer=optimizer if mode == ModeKeys.TRAIN else None, jit_compile=True)
         return model, spec
 
@@ -1173,7 +1232,7 @@ class TPUEstimator:
         receiver = serving_input_receiver_fn()
         features = getattr(receiver, "features", receiver)
         graph, _ = self._build(ModeKeys.PREDICT, features, None, export=True)
-        self._restore(_GraphModel(graph, per_example=False), with_optimizer=False, found=found)
+        self._restore(_GraphModel(graph, ModeKeys.PREDICT), with_optimizer=False, found=found)
         path = _timestamped_dir(export_dir_base)
         if pod.is_chief():
             export_model(graph, path, "default" if self._export_on_tpu() else "highest")
@@ -1320,7 +1379,8 @@ class TPUEstimator:
             global_step = None
             self._warm_start(model)
         loop_size = min(self.iterations_per_loop, count) if count else self.iterations_per_loop
-        predict_function = self._steps(model, mode).predict_function(loop_size)
+        steps_of_model = self._steps(model, mode)
+        functions = {}  # rows of the batches it runs -> predict function (see _fed_rows)
         state = ([v.value for v in model.trainable_variables], [v.value for v in model.non_trainable_variables])
         spec_hooks = spec.evaluation_hooks if mode == ModeKeys.EVAL else spec.prediction_hooks
         hooks = _Hooks(_Hooks(hooks).hooks + list(spec_hooks or []))
@@ -1334,16 +1394,41 @@ class TPUEstimator:
                 break
             run_context = SessionRunContext()
             hooks("before_run", run_context)
-            feed = iter([(list((f, l) if mode == ModeKeys.EVAL else (f,)), None, None) for f, l in loop])
-            outputs, state = predict_function(state, feed)
-            outputs = {key: np.asarray(value) for key, value in outputs.items()}
-            bounds = np.cumsum([_rows(f) for f, _ in loop])[:-1]
-            split = {key: np.split(value, bounds) for key, value in outputs.items()}
-            yield [{key: split[key][i] for key in split} for i in range(len(loop))]
+            real = [_rows(f) for f, _ in loop]
+            fed = [self._fed_rows(rows, mode) for rows in real]
+            parts = []
+            for rows, run in itertools.groupby(zip(fed, loop), key=lambda item: item[0]):
+                feed = [(list((_padded(f, rows), _padded(l, rows)) if mode == ModeKeys.EVAL else (_padded(f, rows),)),
+                         None, None) for _, (f, l) in run]
+                if rows not in functions:
+                    functions[rows] = steps_of_model.predict_function(loop_size)
+                outputs, state = functions[rows](state, iter(feed))
+                parts.append({key: np.asarray(value) for key, value in outputs.items()})
+            outputs = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+            starts = np.cumsum([0] + fed[:-1])
+            yield [{key: value[start:start + rows] for key, value in outputs.items()}
+                   for start, rows in zip(starts, real)]
             hooks("after_run", run_context, SessionRunValues({"global_step": global_step}, None, None))
             if run_context.stop_requested:
                 break
         hooks("end", None)
+
+    def _fed_rows(self, rows, mode):
+        """The rows a batch of ``rows`` real rows runs as: on the TPU the global batch, every core's batch of
+        ``params["batch_size"]`` rows (the graph's static shape), padded; on the CPU its own rows, as
+        TensorFlow's graph runs a partial last batch there."""
+        if not self._on_tpu(mode):
+            return rows
+        global_batch, per_core = self._global_batch(mode), self._batch_size_param(mode)
+        if rows % per_core and mode == ModeKeys.EVAL and not self._warned_partial_core:
+            self._warned_partial_core = True
+            logger.warning(
+                "An evaluation batch of %d rows fills %d cores' batches of %d and %d rows of one more, padded with "
+                "%d copies of its first row; that core's loss includes them (a TPU runs whole batches only: "
+                "TensorFlow's input_fn uses drop_remainder=True). Evaluate a multiple of params['batch_size'] "
+                "rows for an exact loss; metric tensors are exact either way.", rows, rows // per_core, per_core,
+                rows % per_core, per_core - rows % per_core)
+        return global_batch
 
     def evaluate(self, input_fn, steps=None, hooks=None, checkpoint_path=None, name=None):
         """Evaluate a checkpoint on ``steps`` global batches (all of the data if None).

@@ -52,6 +52,10 @@ STRATEGY = ("tensorflow/tensorflow v2.9 tensorflow/python/distribute/tpu_strateg
             "and distribute_lib.py (Strategy, StrategyExtendedV2); v1.15.0 tpu_strategy.py (experimental "
             "TPUStrategy: device_assignment, steps_per_run) and distribute_lib.py (StrategyV1, StrategyExtendedV1)")
 
+TRAINING = ("tensorflow/estimator v1.15.0 tensorflow_estimator/python/estimator/training.py (train_and_evaluate, "
+            "TrainSpec, EvalSpec; TrainSpec's saving_listeners since 2.0) and exporter.py (LatestExporter, "
+            "FinalExporter)")
+
 MINIMIZE = ["loss", "global_step", "var_list", "gate_gradients", "aggregation_method", "colocate_gradients_with_ops",
             "name", "grad_loss"]
 EXPORT = ["export_dir_base", "serving_input_receiver_fn", "assets_extra", "as_text", "checkpoint_path"]
@@ -120,6 +124,13 @@ TENSORFLOW = {
         "mode", "predictions", "loss", "train_op", "eval_metrics", "export_outputs", "scaffold_fn", "host_call",
         "training_hooks", "evaluation_hooks", "prediction_hooks"]),
     "TPUEstimatorSpec": (ESTIMATOR, ["as_estimator_spec()"]),
+    "train_and_evaluate(...)": (TRAINING, ["estimator", "train_spec", "eval_spec"]),
+    "TrainSpec(...)": (TRAINING, ["input_fn", "max_steps", "hooks", "saving_listeners"]),
+    "EvalSpec(...)": (TRAINING, ["input_fn", "steps", "name", "hooks", "exporters", "start_delay_secs",
+                                 "throttle_secs"]),
+    "LatestExporter(...)": (TRAINING, ["name", "serving_input_receiver_fn", "assets_extra", "as_text",
+                                       "exports_to_keep"]),
+    "FinalExporter(...)": (TRAINING, ["name", "serving_input_receiver_fn", "assets_extra", "as_text"]),
     "RunConfig(...)": (CONFIG, [
         "tpu_config", "evaluation_master", "master", "cluster", "model_dir", "tf_random_seed", "save_summary_steps",
         "save_checkpoints_steps", "save_checkpoints_secs", "session_config", "keep_checkpoint_max",
@@ -185,6 +196,11 @@ KERAS_TPU = {
     "TPUConfig": tpu_estimator.TPUConfig,
     "CrossShardOptimizer": tpu_estimator.CrossShardOptimizer,
     "ModeKeys": tpu_estimator.ModeKeys,
+    "train_and_evaluate": tpu_estimator.train_and_evaluate,
+    "TrainSpec": tpu_estimator.TrainSpec,
+    "EvalSpec": tpu_estimator.EvalSpec,
+    "LatestExporter": tpu_estimator.LatestExporter,
+    "FinalExporter": tpu_estimator.FinalExporter,
     "TPUStrategy": keras_tpu.TPUStrategy,
     "TPUStrategy.extended": tpu_strategy.TPUExtended,
 }

@@ -192,3 +192,137 @@ def test_a_killed_training_resumes_from_the_latest_checkpoint(tmp_path):
     assert checkpoints.latest(str(tmp_path))[0] == 40
     again = run(kill_after=10**9)
     assert "Skipping training" in again.stderr and "STEPS_RUN 0" in again.stdout
+
+
+def batch_loss_model_fn(features, labels, mode, params):
+    """Losses that are not a mean over rows, written as TensorFlow's TPU models write them: a sum over the core's
+    batch divided by ``params["batch_size"]`` (after a reshape to that batch), and BERT's pre-training weighted
+    mean, ``sum(w * loss) / (sum(w) + 1e-5)`` over the batch."""
+    assert features.shape[0] == params["batch_size"] or not params["use_tpu"]  # the core's static batch
+    flat = keras.ops.reshape(features, (params["batch_size"] if params["use_tpu"] else -1, 28 * 28))
+    logits = keras.layers.Dense(10)(keras.layers.Rescaling(1 / 255)(flat))
+    if mode == tpu_estimator.ModeKeys.PREDICT:
+        return tpu_estimator.TPUEstimatorSpec(mode, predictions={"logits": logits})
+    xent = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+    if params.get("weighted"):
+        # a weight per example, as BERT's masked positions
+        weights = keras.ops.cast(keras.ops.equal(keras.ops.mod(labels, 3), 0), "float32")
+        loss = keras.ops.sum(weights * xent) / (keras.ops.sum(weights) + 1e-5)
+    else:
+        loss = keras.ops.sum(xent) / params["batch_size"]
+    if mode == tpu_estimator.ModeKeys.EVAL:
+        return tpu_estimator.TPUEstimatorSpec(mode, loss=loss, eval_metrics=(
+            lambda xent: {"mean_xent": float(np.mean(xent))}, {"xent": xent}))
+    optimizer = keras.optimizers.SGD(0.1)
+    if params["use_tpu"]:
+        optimizer = tpu_estimator.CrossShardOptimizer(optimizer)
+    return tpu_estimator.TPUEstimatorSpec(mode, loss=loss, train_op=optimizer)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_evaluation_runs_each_cores_batch_so_batch_losses_are_tensorflows(tmp_path, weighted):
+    def estimator(use_tpu, batch=64):
+        config = tpu_estimator.RunConfig(model_dir=str(tmp_path), tf_random_seed=0,
+                                         tpu_config=tpu_estimator.TPUConfig(iterations_per_loop=4, num_shards=8))
+        return tpu_estimator.TPUEstimator(model_fn=batch_loss_model_fn, use_tpu=use_tpu, config=config,
+                                          params={"weighted": weighted}, train_batch_size=64, eval_batch_size=batch)
+
+    on_tpu = estimator(use_tpu=True)
+    on_tpu.train(lambda params: mnist("train", 256), max_steps=8)
+    x, y = mnist("test", 512)
+    tpu = on_tpu.evaluate(lambda params: (x, y))
+    cpu = estimator(use_tpu=False, batch=8).evaluate(lambda params: (x, y))  # the same checkpoint, 8-row batches
+    # The same batches of 8 on the CPU as each core's: TensorFlow's numbers, within the MXU's bfloat16 products.
+    assert tpu["loss"] == pytest.approx(cpu["loss"], rel=0.02)
+    assert tpu["mean_xent"] == pytest.approx(cpu["mean_xent"], rel=0.02)
+    if not weighted:  # a sum over the batch over its rows: the mean loss of the examples
+        assert tpu["loss"] == pytest.approx(tpu["mean_xent"], rel=1e-5)
+    else:  # a weighted mean per batch is not the mean of the examples' losses (the per-example answer)
+        assert abs(tpu["loss"] - tpu["mean_xent"]) > 0.05
+    logits = np.stack([p["logits"] for p in on_tpu.predict(lambda params: x[:100])])  # 100 rows: padded
+    assert logits.shape == (100, 10)
+
+    # On the CPU a partial last batch runs at its own size (as TensorFlow's graph does), no padding in its loss:
+    # batches of 64 and 36 rows, each batch's loss weighed by its rows.
+    on_cpu = estimator(use_tpu=False)
+    logits = np.stack([p["logits"] for p in on_cpu.predict(lambda params: x[:100])]).astype(np.float64)
+    xent = np.log(np.exp(logits).sum(axis=1)) - logits[np.arange(100), y[:100]]
+    weights = (y[:100] % 3 == 0) if weighted else np.ones(100)
+    per_batch = [np.sum(w * e) / (np.sum(w) + 1e-5) if weighted else np.sum(e) / 64
+                 for w, e in ((weights[:64], xent[:64]), (weights[64:], xent[64:]))]
+    expected = (64 * per_batch[0] + 36 * per_batch[1]) / 100
+    assert on_cpu.evaluate(lambda params: (x[:100], y[:100]))["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_evaluation_tensors_keep_the_batch_and_a_partly_padded_core_is_named(tmp_path, caplog):
+    def model_fn(features, labels, mode, params):
+        logits = keras.layers.Dense(10)(keras.layers.Flatten()(features))
+        loss = keras.ops.mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+        if mode == tpu_estimator.ModeKeys.EVAL:
+            tensors = {"mean_logit": keras.ops.mean(logits)} if params.get("scalar") else {"logits": logits}
+            return tpu_estimator.TPUEstimatorSpec(mode, loss=loss, eval_metrics=(lambda **t: {}, tensors))
+        return tpu_estimator.TPUEstimatorSpec(mode, loss=loss,
+                                              train_op=tpu_estimator.CrossShardOptimizer(keras.optimizers.SGD(0.1)))
+
+    def estimator(params=None):
+        config = tpu_estimator.RunConfig(model_dir=str(tmp_path),
+                                         tpu_config=tpu_estimator.TPUConfig(iterations_per_loop=2, num_shards=8))
+        return tpu_estimator.TPUEstimator(model_fn=model_fn, config=config, params=params, train_batch_size=64,
+                                          eval_batch_size=64)
+
+    estimator().train(lambda params: mnist("train", 64), steps=1)
+    with pytest.raises(ValueError, match="'mean_logit' has shape \\(\\), but a core's batch has 8 rows: .*keep the "
+                                         "batch dimension"):
+        estimator({"scalar": True}).evaluate(lambda params: mnist("test", 64))
+    with caplog.at_level("WARNING", logger="keras_tpu"):
+        estimator().evaluate(lambda params: mnist("test", 64 + 21))  # cores of 8, 8 and 5 real rows
+    assert "fills 2 cores' batches of 8 and 5 rows of one more, padded with 3 copies" in caplog.text
+
+
+def test_train_and_evaluate_evaluates_each_new_checkpoint_and_exports(tmp_path, caplog):
+    """tf.estimator.train_and_evaluate's local loop: an evaluation after each checkpoint (throttled), the last
+    one always, exporters after each evaluation into model_dir/export/<name>."""
+    estimator = make(tmp_path, iterations=2, save_steps=4)
+    evaluated = []
+
+    class CountEvaluations(tpu_estimator.SessionRunHook):
+        def begin(self):
+            evaluated.append(estimator.latest_checkpoint())
+
+    serving = lambda: mnist("test", 1)[0]  # noqa: E731
+    train_spec = tpu_estimator.TrainSpec(lambda params: mnist("train", 512), max_steps=10)
+    eval_spec = tpu_estimator.EvalSpec(lambda params: mnist("test", 128), steps=None, throttle_secs=0,
+                                       hooks=[CountEvaluations()],
+                                       exporters=[tpu_estimator.LatestExporter("latest", serving, exports_to_keep=2),
+                                                  tpu_estimator.FinalExporter("final", serving)])
+    with caplog.at_level("INFO", logger="keras_tpu"):
+        metrics, exports = tpu_estimator.train_and_evaluate(estimator, train_spec, eval_spec)
+    assert "Start train and evaluate loop" in caplog.text
+    # checkpoints at steps 4, 8 and 10 (the end), each evaluated once
+    assert [os.path.basename(path) for path in evaluated] == [f"ckpt-{s:08d}.npz" for s in (4, 8, 10)]
+    assert metrics["global_step"] == 10 and set(metrics) == {"loss", "accuracy", "mean_logit", "global_step"}
+    assert metrics == pytest.approx(estimator.evaluate(lambda params: mnist("test", 128)))
+    latest, final = exports
+    assert os.path.dirname(latest) == str(tmp_path / "export" / "latest") and os.path.isdir(final)
+    assert len(os.listdir(tmp_path / "export" / "latest")) == 2  # exports_to_keep
+    assert len(os.listdir(tmp_path / "export" / "final")) == 1  # the last checkpoint's only
+    x = mnist("test", 4)[0]
+    np.testing.assert_array_equal(keras_tpu.load_exported(final)(x)["class_ids"],
+                                  [p["class_ids"] for p in estimator.predict(lambda params: x)])
+
+    # Throttled: checkpoints at 14, 18 and 22; after the first evaluation none until throttle_secs pass, but the
+    # last checkpoint always.
+    evaluated.clear()
+    throttled = tpu_estimator.EvalSpec(lambda params: mnist("test", 64), steps=1, throttle_secs=3600,
+                                       hooks=[CountEvaluations()])
+    metrics, exports = tpu_estimator.train_and_evaluate(
+        estimator, tpu_estimator.TrainSpec(lambda params: mnist("train", 512), max_steps=22), throttled)
+    assert [os.path.basename(path) for path in evaluated] == ["ckpt-00000014.npz", "ckpt-00000022.npz"]
+    assert metrics["global_step"] == 22 and exports == []
+    # Nothing left to train: TensorFlow's (None, None).
+    assert tpu_estimator.train_and_evaluate(
+        estimator, tpu_estimator.TrainSpec(lambda params: mnist("train", 512), max_steps=22), throttled) == (None, None)
+    with pytest.raises(TypeError, match="`eval_spec` must have type `EvalSpec`"):
+        tpu_estimator.train_and_evaluate(estimator, train_spec, {"steps": 1})
+    with pytest.raises(ValueError, match="unique names"):
+        tpu_estimator.EvalSpec(lambda params: None, exporters=[tpu_estimator.FinalExporter("a", serving)] * 2)

@@ -279,3 +279,7 @@ def test_strategy_run_inside_jax_jit_refuses_to_update_variables():
     total = jax.jit(lambda stacked: strategy.reduce(
         "SUM", strategy.run(lambda rows: keras.ops.sum(rows * 2), args=(keras_tpu.PerReplica(stacked),)), axis=None))
     assert float(total(batch.stacked)) == 2 * x.sum()
+    # A PerReplica is a JAX pytree: it passes into jax.jit and comes out of it whole.
+    doubled = jax.jit(lambda value: strategy.run(lambda rows: rows * 2, args=(value,)))(batch)
+    assert isinstance(doubled, keras_tpu.PerReplica)
+    np.testing.assert_array_equal(np.concatenate(doubled.values), 2 * x)
