@@ -37,6 +37,10 @@
 * ``inference_kwargs`` and ``all_layers``: whether a model's ``call`` takes
   ``training`` (``Layer._call_has_training_arg``) and every nested layer
   (``Layer._flatten_layers``; ``Model.layers`` lists only the top level).
+* ``auto_named``: whether a layer's name is the one Keras made up for it
+  (``dense_7``): ``TPUEstimator`` renames those as TensorFlow numbers layers
+  in a fresh graph and keeps names users gave. Keras' naming rule
+  (``keras.src.utils.naming.to_snake_case``) has no public name.
 * ``is_layer_graph``: whether a model is Keras' own functional or Sequential
   model, whose ``call`` only runs its layers (the ``Functional`` class is not
   exported; ``keras.Model(inputs, outputs)`` returns one).
@@ -71,6 +75,7 @@
 
 import contextlib
 import functools
+import re
 import threading
 
 import jax
@@ -544,6 +549,13 @@ def inference_kwargs(model):
 def all_layers(model):
     """Every layer inside ``model``, nested ones included."""
     return list(model._flatten_layers(include_self=False))
+
+
+def auto_named(layer):
+    """Whether ``layer``'s name is the one Keras gives a layer created without a name (``dense``, ``dense_7``)."""
+    from keras.src.utils.naming import to_snake_case  # Keras' naming rule has no public name
+
+    return re.fullmatch(re.escape(to_snake_case(type(layer).__name__)) + r"(_\d+)?", layer.name) is not None
 
 
 def is_layer_graph(model):

@@ -103,10 +103,23 @@ class KerasTPUModel(keras.Model):
         strategy.placement.install(self, user_model=cpu_model)
         if cpu_model.built:
             self.built = True
-        compile_args = _keras_private.compile_arguments(cpu_model)
+        if _keras_private.overridden_methods(cpu_model, ("compile",)):
+            # A model with a compile() of its own arguments (keras.io's Distiller and GANs: compile(optimizer,
+            # metrics, student_loss_fn, ...)) is compiled by it, as TF 1.x code compiles the TPU model.
+            object.__setattr__(self, "compile", self._compile_as_the_model_does)
+        self._compile_like_the_cpu_model()
+
+    def _compile_like_the_cpu_model(self):
+        compile_args = _keras_private.compile_arguments(self._cpu_model)
         if compile_args:
             compile_args.pop("run_eagerly", None)  # the CPU model's own debugging choice; the TPU runs programs
-            self.compile(**compile_args)
+            KerasTPUModel.compile(self, **compile_args)
+
+    def _compile_as_the_model_does(self, *args, **kwargs):
+        """``compile`` of a TPU model whose CPU model has its own: the CPU model's, with its arguments (it sets
+        what its steps read); this model then compiles as the CPU model did."""
+        self._cpu_model.compile(*args, **kwargs)
+        self._compile_like_the_cpu_model()
 
     # -- the CPU model's face ------------------------------------------------------------
 

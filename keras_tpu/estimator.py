@@ -46,12 +46,18 @@ Evaluation and prediction run the graph as a TPU does: on each core's batch
 of ``params["batch_size"]`` rows, which is the static batch dimension of
 ``features`` and ``labels`` on the TPU (``features.shape[0]``, and a
 ``reshape`` to ``params["batch_size"]`` rows, work as in TensorFlow). The
-evaluation loss is the mean of the cores' losses over all batches, each
-weighed by its real rows; TensorFlow's TPUEstimator reports core 0's, which
-is the same for a loss that averages over the batch and noisier otherwise.
-``metric_fn`` is called once, on the concatenated metric tensors of all real
-evaluation examples; those tensors, and the predictions, must keep the batch
-dimension (one row per example), as on a TPU. A partial last batch is padded
+evaluation loss is the mean over evaluation steps of each step's loss, as
+TensorFlow's ``metrics.mean(loss)``: on the TPU the mean of the cores'
+losses, each weighed by its real rows (TensorFlow's TPUEstimator reports
+core 0's, the same for a loss that averages over the batch and noisier
+otherwise). ``metric_fn`` is called once, on the concatenated metric tensors
+of all real evaluation examples; those tensors keep the batch dimension (one
+or more rows per example), and so do the predictions. The loss the optimizer
+minimises, and the evaluation loss, add the weight regularizers of the layers
+``model_fn`` creates (``kernel_regularizer=...``) to ``model_fn``'s loss, as
+Keras does. A variable used in ``keras.ops`` outside a layer (a tied
+embedding table transposed in ``model_fn``, say) is read once, when the
+graph is built: use it inside a layer's ``call`` to train it. A partial last batch is padded
 to whole cores' batches (on the CPU it runs at its own size) and the padding
 is removed from the metric tensors and predictions; a core that holds real
 and padding rows computes its loss over both (a TPU cannot run a partial
@@ -97,7 +103,7 @@ import keras
 import numpy as np
 from keras import tree
 
-from keras_tpu import _checkpoints as checkpoints, _validation as validation
+from keras_tpu import _checkpoints as checkpoints, _keras_private, _validation as validation
 from keras_tpu._logging import logger
 from keras_tpu._cluster import TPUClusterResolver
 from keras_tpu._placement import Placement
@@ -106,7 +112,8 @@ from keras_tpu._train_and_evaluate import (EvalSpec, Exporter, FinalExporter, La
                                            train_and_evaluate)
 
 __all__ = [
-    "CheckpointSaverListener", "CrossShardOptimizer", "EvalSpec", "ExportSavedModelApiVersion", "Exporter",
+    "CheckpointSaverListener", "CrossShardOptimizer", "EstimatorSpec", "EvalSpec", "ExportSavedModelApiVersion",
+    "Exporter",
     "FinalExporter", "InputPipelineConfig", "LatestExporter", "ModeKeys", "RunConfig", "SessionRunContext",
     "SessionRunHook", "SessionRunValues", "TPUConfig", "TPUContext", "TPUEstimator", "TPUEstimatorSpec", "TrainSpec",
     "WarmStartSettings", "train_and_evaluate", "variable_names",
@@ -156,6 +163,48 @@ class TPUEstimatorSpec:
         """The spec for a CPU run (TensorFlow converts to an ``EstimatorSpec``): this spec itself, which
         the estimator runs on the CPU as well (``use_tpu=False``, ``eval_on_tpu=False``)."""
         return self
+
+
+@dataclasses.dataclass
+class EstimatorSpec:
+    """TensorFlow's ``tf.estimator.EstimatorSpec`` (same arguments, same order), which a ``model_fn`` may return
+    to ``TPUEstimator`` as TensorFlow's TPU models do in PREDICT mode (tensorflow/tpu's ResNet); it runs as the
+    :class:`TPUEstimatorSpec` of the same fields.
+
+    ``eval_metric_ops`` (TensorFlow metric ops) are refused: return
+    ``TPUEstimatorSpec(eval_metrics=(metric_fn, tensors))``. ``scaffold`` is
+    not run (no TensorFlow graph); ``training_chief_hooks`` join the training
+    hooks (one process trains).
+
+    Example:
+        >>> EstimatorSpec(ModeKeys.PREDICT, predictions={"classes": None}).as_tpu_estimator_spec().mode
+        'infer'
+    """
+
+    mode: str
+    predictions: object = None
+    loss: object = None
+    train_op: object = None
+    eval_metric_ops: dict = None
+    export_outputs: object = None
+    training_chief_hooks: object = None
+    training_hooks: object = None
+    scaffold: object = None
+    evaluation_hooks: object = None
+    prediction_hooks: object = None
+
+    def as_tpu_estimator_spec(self):
+        """The :class:`TPUEstimatorSpec` this spec runs as."""
+        if self.eval_metric_ops:
+            raise ValueError("EstimatorSpec(eval_metric_ops=...) holds TensorFlow metric ops, which keras_tpu cannot "
+                             "run: return TPUEstimatorSpec(eval_metrics=(metric_fn, tensors)) with the loss, "
+                             "metric_fn computing the metrics from the tensors (Keras metrics or numpy).")
+        if self.scaffold is not None:
+            logger.warning("EstimatorSpec.scaffold is not run by keras_tpu (no TensorFlow graph).")
+        return TPUEstimatorSpec(self.mode, predictions=self.predictions, loss=self.loss, train_op=self.train_op,
+                                export_outputs=self.export_outputs,
+                                training_hooks=list(self.training_chief_hooks or []) + list(self.training_hooks or []),
+                                evaluation_hooks=self.evaluation_hooks, prediction_hooks=self.prediction_hooks)
 
 
 # TensorFlow 1's tf.losses.Reduction values for CrossShardOptimizer's reduction
@@ -602,7 +651,15 @@ class _GraphModel(keras.Model):
     Each core runs the graph on its own batch, as a TPU does. In EVAL the
     loss (one number per core) is given to each of the core's rows, so that
     the outputs of all cores and batches are rows, which the replicated
-    programs concatenate and from which padding rows are removed.
+    programs concatenate and from which padding rows are removed. A metric
+    tensor with several rows per example (BERT's masked positions, flattened
+    to ``batch * positions``) runs as ``(batch, positions, ...)`` and is
+    flattened back (:attr:`flattened`), as TensorFlow concatenates the cores'
+    tensors along their first axis.
+
+    The loss the optimizer minimises adds the model's own losses (weight
+    regularizers, ``add_loss``) to ``model_fn``'s, as Keras does; so does the
+    EVAL loss, with the weight regularizers.
     """
 
     def __init__(self, graph, mode, loss_scale=1.0):
@@ -610,33 +667,44 @@ class _GraphModel(keras.Model):
         self.graph = graph
         self.mode = mode
         self.loss_scale = loss_scale
+        self.flattened = set()  # EVAL outputs with several rows per example, run as (batch, rows, ...)
         self.built = True  # the functional graph holds every variable already
 
     def call(self, inputs, training=False):
         outputs = self.graph(inputs, training=training)
         if self.mode == ModeKeys.TRAIN:
             return outputs
-        rows = keras.ops.shape(tree.flatten(inputs)[0])[0]
+        rows = tree.flatten(inputs)[0].shape[0]
+        if rows is None:  # a symbolic call: nothing to arrange
+            return outputs
         return {key: self._per_row(key, value, rows) for key, value in outputs.items()}
 
     def _per_row(self, key, value, rows):
         if self.mode == ModeKeys.EVAL and key == "loss":
             if keras.ops.ndim(value) != 0:
                 raise ValueError(f"The EVAL loss of model_fn must be a scalar; got shape {tuple(value.shape)}.")
-            return keras.ops.broadcast_to(value, (rows,))
+            regularization = [keras.ops.cast(v.regularizer(v), value.dtype) for v in self.graph.trainable_weights
+                              if getattr(v, "regularizer", None) is not None]
+            return keras.ops.broadcast_to(value + sum(regularization), (rows,))
         shape = tuple(value.shape)
+        metric = key.startswith("metric/")
+        if shape and metric and shape[0] % rows == 0 and shape[0] != rows:
+            self.flattened.add(key)
+            return keras.ops.reshape(value, (rows, shape[0] // rows) + shape[1:])
         if not shape or shape[0] != rows:
-            what = (f"eval_metrics tensor {key[len('metric/'):]!r}" if key.startswith("metric/")
-                    else f"prediction {key!r}")
+            what = f"eval_metrics tensor {key[len('metric/'):]!r}" if metric else f"prediction {key!r}"
             raise ValueError(
-                f"The {what} has shape {shape}, but a core's batch has {rows} rows: the tensors of eval_metrics "
-                f"and predictions must keep the batch dimension, one row per example, as on a TPU (TensorFlow: "
-                f"'All tensors outfed from TPU should preserve batch size dimension'). Reduce over the batch in "
-                f"metric_fn instead.")
+                f"The {what} has shape {shape}, but a core's batch has {rows} rows: "
+                + ("a tensor outfed from a TPU keeps its batch dimension (TensorFlow refuses a scalar); keras-tpu "
+                   "needs its first axis to be the batch or a multiple of it (several rows per example), to leave "
+                   "out padding rows. Reduce over the batch in metric_fn instead." if metric else
+                   "predictions keep the batch dimension, one row per example, as on a TPU."))
         return value
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        return y_pred["loss"] * self.loss_scale
+        loss = y_pred["loss"]
+        added = [keras.ops.cast(keras.ops.sum(term), loss.dtype) for term in self.losses]
+        return (loss + sum(added)) * self.loss_scale
 
 
 def _accepted_arguments(fn):
@@ -651,8 +719,10 @@ def _call_model_fn(model_fn, features, labels, mode, params, config):
     kwargs = {name: value for name, value in (("mode", mode), ("params", params), ("config", config))
               if name in accepted}
     spec = model_fn(features, labels, **kwargs)
+    if isinstance(spec, EstimatorSpec):
+        spec = spec.as_tpu_estimator_spec()
     if not isinstance(spec, TPUEstimatorSpec):
-        raise TypeError(f"model_fn must return a TPUEstimatorSpec; got {type(spec).__name__}.")
+        raise TypeError(f"model_fn must return a TPUEstimatorSpec (or an EstimatorSpec); got {type(spec).__name__}.")
     return spec
 
 
@@ -668,6 +738,17 @@ def _symbolic(example, name, batch_size=None):
     return symbolic(example, name)
 
 
+def _is_random_state(name):
+    """Whether the variable at ``name`` (a path or checkpoint name) is a layer's random-number state."""
+    return name.rsplit("/", 1)[-1].startswith("seed_generator_state")
+
+
+def _graph_inputs(features, labels):
+    """What the graph of ``model_fn`` takes: ``[features, labels]``, or ``[features]`` where ``input_fn`` gave
+    no labels (as ``_build`` made its inputs)."""
+    return [features] if labels is None else [features, labels]
+
+
 def _padded(data, rows):
     """``data``'s arrays with ``rows`` rows: padding rows are copies of the first row, as
     :mod:`keras_tpu._batching` pads."""
@@ -677,7 +758,7 @@ def _padded(data, rows):
             return array
         return np.concatenate([array, np.repeat(array[:1], rows - len(array), axis=0)])
 
-    return tree.map_structure(pad, data)
+    return None if data is None else tree.map_structure(pad, data)
 
 
 def _rows(data):
@@ -697,12 +778,14 @@ def variable_names(model):
 
     Keras numbers auto-named layers across the whole process (``dense_7``);
     TensorFlow 1 named them within each fresh graph (``dense``, ``dense_1``).
-    The layers of each path are renamed that way, in order of first
-    appearance, so that each call of ``model_fn`` gives the same names.
+    The auto-named layers of each path are renamed that way, in order of
+    first appearance, so that each call of ``model_fn`` gives the same names;
+    a name the user gave (``block_3``) is kept, as TensorFlow keeps it.
     Optimizer variables are ``<optimizer>/<variable path>/<slot>`` (or
     ``<optimizer>/iteration``).
     """
-    renamed, counts, used = {}, collections.Counter(), set()
+    given = {layer.name for layer in _keras_private.all_layers(model) if not _keras_private.auto_named(layer)}
+    renamed, counts, used = {name: name for name in given}, collections.Counter(), set(given)
 
     def rename(component):
         if component not in renamed:
@@ -1026,8 +1109,11 @@ class TPUEstimator:
                 return
             parts = [p if isinstance(p, (tuple, list)) and len(p) == 2 else (p, None) for p in parts]
             if mode == ModeKeys.TRAIN and (len(parts) < cores or any(_rows(f) != per_core_rows for f, _ in parts)):
+                seen = sorted({_rows(f) for f, _ in parts})
                 raise ValueError(f"Training batches from input_fn must have params['batch_size'] = {per_core_rows} "
-                                 f"rows each (one per core per step); drop the remainder.")
+                                 f"rows each (one per core per step) along axis 0; got {len(parts)} batch(es) of "
+                                 f"{seen} rows. Drop the remainder (drop_remainder=True), and put the batch axis "
+                                 f"first (a transposed input, such as ResNet's transpose_input, is not supported).")
             features = tree.map_structure(lambda *a: np.concatenate(a), *[f for f, _ in parts])
             labels = None if parts[0][1] is None else np.concatenate([np.asarray(l) for _, l in parts])
             yield features, labels
@@ -1103,15 +1189,31 @@ class TPUEstimator:
         if found is None:
             return None
         step, arrays, header = found
-        variables = list(model.trainable_variables) + list(model.non_trainable_variables)
+        model_variables = list(model.trainable_variables) + list(model.non_trainable_variables)
+        saved = header.get("model_variables")
+        names = _checkpoint_names(header, len(arrays))
+        # A dropout layer's random-number state is a variable of the mode that has one (model_fn may leave dropout
+        # out of EVAL and PREDICT, as BERT's does): match the weights, and the random states where both have them.
+        weights = [v for v in model_variables if not _is_random_state(v.path)]
+        saved_weights = [i for i in range(saved or 0) if not _is_random_state(names[i])]
+        if saved is None or len(weights) != len(saved_weights):
+            ours = [name for variable, name in zip(model_variables, variable_names(model))
+                    if not _is_random_state(variable.path)]
+            theirs = [names[i] for i in saved_weights]
+            raise ValueError(
+                f"The checkpoint in {self.model_dir} does not fit this model_fn ({model.mode}): it holds "
+                f"{len(theirs)} weights, the model has {len(ours)}; only in the checkpoint: "
+                f"{sorted(set(theirs) - set(ours))[:8]}, only in the model: {sorted(set(ours) - set(theirs))[:8]}.")
+        pairs = list(zip(weights, saved_weights))
+        random_states = [v for v in model_variables if _is_random_state(v.path)]
+        saved_random_states = [i for i in range(saved) if _is_random_state(names[i])]
+        if len(random_states) == len(saved_random_states):
+            pairs += list(zip(random_states, saved_random_states))
         if with_optimizer:
             model.optimizer.build(model.trainable_variables)
-            variables += list(model.optimizer.variables)
-        if header.get("model_variables") != len(model.trainable_variables) + len(model.non_trainable_variables):
-            raise ValueError(f"The checkpoint in {self.model_dir} does not fit this model_fn: it holds "
-                             f"{header.get('model_variables')} model variables, the model has "
-                             f"{len(model.trainable_variables) + len(model.non_trainable_variables)}.")
-        for variable, value in zip(variables, arrays):
+            pairs += list(zip(model.optimizer.variables, range(saved, len(arrays))))
+        for variable, index in pairs:
+            value = arrays[index]
             if tuple(variable.shape) != tuple(value.shape):
                 raise ValueError(f"The checkpoint in {self.model_dir} does not fit this model_fn: variable "
                                  f"{variable.path} has shape {tuple(variable.shape)}, the checkpoint {value.shape}.")
@@ -1330,7 +1432,8 @@ class TPUEstimator:
             run_context = SessionRunContext()
             hooks("before_run", run_context)
             metrics = [jnp.zeros_like(v) for v in state[3]]  # the loss logged is this loop's mean
-            logs, state = train_function(state[:3] + (metrics,), iter([(list(b), None, None) for b in loop]))
+            feed = iter([(_graph_inputs(*batch), None, None) for batch in loop])
+            logs, state = train_function(state[:3] + (metrics,), feed)
             global_step += len(loop)
             loss = float(logs["loss"])  # waits for the device: the time below includes the device work
             now = time.perf_counter()
@@ -1398,15 +1501,16 @@ class TPUEstimator:
             fed = [self._fed_rows(rows, mode) for rows in real]
             parts = []
             for rows, run in itertools.groupby(zip(fed, loop), key=lambda item: item[0]):
-                feed = [(list((_padded(f, rows), _padded(l, rows)) if mode == ModeKeys.EVAL else (_padded(f, rows),)),
-                         None, None) for _, (f, l) in run]
+                feed = [(_graph_inputs(_padded(f, rows), _padded(l, rows) if mode == ModeKeys.EVAL else None), None,
+                         None) for _, (f, l) in run]
                 if rows not in functions:
                     functions[rows] = steps_of_model.predict_function(loop_size)
                 outputs, state = functions[rows](state, iter(feed))
                 parts.append({key: np.asarray(value) for key, value in outputs.items()})
             outputs = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
             starts = np.cumsum([0] + fed[:-1])
-            yield [{key: value[start:start + rows] for key, value in outputs.items()}
+            flat = lambda key, a: a.reshape((-1,) + a.shape[2:]) if key in model.flattened else a  # noqa: E731
+            yield [{key: flat(key, value[start:start + rows]) for key, value in outputs.items()}
                    for start, rows in zip(starts, real)]
             hooks("after_run", run_context, SessionRunValues({"global_step": global_step}, None, None))
             if run_context.stop_requested:
@@ -1449,7 +1553,9 @@ class TPUEstimator:
         spec, global_step = next(loops)
         batches = [batch for loop in loops for batch in loop]
         outputs = {key: np.concatenate([batch[key] for batch in batches]) for key in batches[0]}
-        results = {"loss": float(np.mean(outputs["loss"]))}
+        # As TensorFlow's metrics.mean(loss): each evaluation step's loss counts once (its cores' mean, each core
+        # weighed by its real rows; TensorFlow's TPUEstimator takes core 0's).
+        results = {"loss": float(np.mean([np.mean(batch["loss"]) for batch in batches]))}
         if spec.eval_metrics is not None:
             metric_fn, tensors = spec.eval_metrics
             if isinstance(tensors, dict):

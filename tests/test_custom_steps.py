@@ -485,3 +485,57 @@ def test_an_own_predict_step_returns_its_outputs_as_on_the_cpu(front_end):
     assert isinstance(got, dict) and sorted(got) == ["double", "score"]
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6)
+
+
+class DistillerWithItsOwnCompile(keras.Model):
+    """keras.io's knowledge distillation (examples/vision/knowledge_distillation.py): a compile() of its own
+    arguments, and the loss it computes from them."""
+
+    def __init__(self, student, teacher):
+        super().__init__()
+        self.student, self.teacher = student, teacher
+
+    def call(self, x):
+        return self.student(x)
+
+    def compile(self, optimizer, metrics, student_loss_fn, distillation_loss_fn, alpha=0.1, temperature=3):
+        super().compile(optimizer=optimizer, metrics=metrics)
+        self.student_loss_fn, self.distillation_loss_fn = student_loss_fn, distillation_loss_fn
+        self.alpha, self.temperature = alpha, temperature
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        teacher = self.teacher(x, training=False)
+        distillation = self.distillation_loss_fn(ops.softmax(teacher / self.temperature, axis=1),
+                                                  ops.softmax(y_pred / self.temperature, axis=1))
+        return self.alpha * self.student_loss_fn(y, y_pred) + (1 - self.alpha) * distillation * self.temperature ** 2
+
+
+def test_a_model_with_its_own_compile_is_compiled_by_it_after_keras_to_tpu_model():
+    """TF 1.x code converts first and compiles the TPU model: a model's own compile() takes its own arguments."""
+    x = np.random.default_rng(0).standard_normal((40, 8)).astype("float32")  # a partial last batch
+    y = np.random.default_rng(1).integers(0, 4, 40)
+
+    def distiller():
+        keras.utils.set_random_seed(0)
+        return DistillerWithItsOwnCompile(keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)]),
+                         keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)]))
+
+    def arguments():
+        return (keras.optimizers.Adam(0.01), [keras.metrics.SparseCategoricalAccuracy()],
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True), keras.losses.KLDivergence())
+
+    strategy = keras_tpu.TPUDistributionStrategy(precision="highest")
+    on_cpu = distiller()
+    on_cpu.compile(*arguments(), alpha=0.2, temperature=5)
+    expected = on_cpu.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False).history
+    positional = keras_tpu.keras_to_tpu_model(distiller(), strategy)
+    positional.compile(*arguments(), 0.2, 5)
+    optimizer, metrics, student_loss, distillation_loss = arguments()
+    by_keyword = keras_tpu.keras_to_tpu_model(distiller(), strategy)
+    by_keyword.compile(optimizer=optimizer, metrics=metrics, student_loss_fn=student_loss,
+                       distillation_loss_fn=distillation_loss, alpha=0.2, temperature=5)
+    for tpu_model in (positional, by_keyword):
+        assert tpu_model.cpu_model.temperature == 5
+        history = tpu_model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False).history
+        for key, values in expected.items():
+            np.testing.assert_allclose(history[key], values, rtol=1e-5)

@@ -124,6 +124,9 @@ TENSORFLOW = {
         "mode", "predictions", "loss", "train_op", "eval_metrics", "export_outputs", "scaffold_fn", "host_call",
         "training_hooks", "evaluation_hooks", "prediction_hooks"]),
     "TPUEstimatorSpec": (ESTIMATOR, ["as_estimator_spec()"]),
+    "EstimatorSpec(...)": ("tensorflow/estimator v1.15.0 tensorflow_estimator/python/estimator/model_fn.py", [
+        "mode", "predictions", "loss", "train_op", "eval_metric_ops", "export_outputs", "training_chief_hooks",
+        "training_hooks", "scaffold", "evaluation_hooks", "prediction_hooks"]),
     "train_and_evaluate(...)": (TRAINING, ["estimator", "train_spec", "eval_spec"]),
     "TrainSpec(...)": (TRAINING, ["input_fn", "max_steps", "hooks", "saving_listeners"]),
     "EvalSpec(...)": (TRAINING, ["input_fn", "steps", "name", "hooks", "exporters", "start_delay_secs",
@@ -196,6 +199,7 @@ KERAS_TPU = {
     "TPUConfig": tpu_estimator.TPUConfig,
     "CrossShardOptimizer": tpu_estimator.CrossShardOptimizer,
     "ModeKeys": tpu_estimator.ModeKeys,
+    "EstimatorSpec": tpu_estimator.EstimatorSpec,
     "train_and_evaluate": tpu_estimator.train_and_evaluate,
     "TrainSpec": tpu_estimator.TrainSpec,
     "EvalSpec": tpu_estimator.EvalSpec,
@@ -337,6 +341,9 @@ def refusals(objects, tmp_path):
         ("CrossShardOptimizer(...)", "group_assignment"): (
             "group_assignment=None",
             lambda: tpu_estimator.CrossShardOptimizer(keras.optimizers.SGD(), group_assignment=[[0, 1, 2, 3]])),
+        ("EstimatorSpec(...)", "eval_metric_ops"): (
+            "TPUEstimatorSpec(eval_metrics=(metric_fn, tensors))",
+            lambda: tpu_estimator.EstimatorSpec("eval", eval_metric_ops={"accuracy": None}).as_tpu_estimator_spec()),
         ("CrossShardOptimizer", "compute_gradients()"): (
             "TPUEstimatorSpec(train_op=...)", lambda: optimizer.compute_gradients(0.0)),
         ("CrossShardOptimizer", "apply_gradients()"): (

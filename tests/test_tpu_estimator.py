@@ -108,7 +108,15 @@ def test_padded_last_batch_gives_exact_evaluation_and_one_prediction_per_example
     estimator.train(lambda params: mnist("train", 512), max_steps=10)
     padded = estimator.evaluate(lambda params: mnist("test", 1000))  # 15 full batches and 40 rows
     small = make(tmp_path, batch=8).evaluate(lambda params: mnist("test", 1000))  # no padding at all
-    assert padded == pytest.approx(small, rel=1e-5)
+    assert {k: v for k, v in padded.items() if k != "loss"} == pytest.approx(
+        {k: v for k, v in small.items() if k != "loss"}, rel=1e-5)
+    # The loss is the mean of the 16 steps' losses, as TensorFlow's metrics.mean(loss), each step's over its real
+    # rows: the last step's 40 rows (5 cores' batches) count as much as a full step's 64.
+    x, y = mnist("test", 1000)
+    full = estimator.evaluate(lambda params: (x[:960], y[:960]))
+    last = estimator.evaluate(lambda params: (x[960:], y[960:]))
+    assert padded["loss"] == pytest.approx((15 * full["loss"] + last["loss"]) / 16, rel=1e-5)
+    assert small["loss"] == pytest.approx((960 * full["loss"] + 40 * last["loss"]) / 1000, rel=1e-5)
     predictions = list(estimator.predict(lambda params: mnist("test", 1000)[0]))
     assert len(predictions) == 1000 and set(predictions[0]) == {"class_ids"}
     accuracy = np.mean([p["class_ids"] for p in predictions] == mnist("test", 1000)[1])
@@ -243,14 +251,14 @@ def test_evaluation_runs_each_cores_batch_so_batch_losses_are_tensorflows(tmp_pa
     assert logits.shape == (100, 10)
 
     # On the CPU a partial last batch runs at its own size (as TensorFlow's graph does), no padding in its loss:
-    # batches of 64 and 36 rows, each batch's loss weighed by its rows.
+    # batches of 64 and 36 rows.
     on_cpu = estimator(use_tpu=False)
     logits = np.stack([p["logits"] for p in on_cpu.predict(lambda params: x[:100])]).astype(np.float64)
     xent = np.log(np.exp(logits).sum(axis=1)) - logits[np.arange(100), y[:100]]
     weights = (y[:100] % 3 == 0) if weighted else np.ones(100)
     per_batch = [np.sum(w * e) / (np.sum(w) + 1e-5) if weighted else np.sum(e) / 64
                  for w, e in ((weights[:64], xent[:64]), (weights[64:], xent[64:]))]
-    expected = (64 * per_batch[0] + 36 * per_batch[1]) / 100
+    expected = (per_batch[0] + per_batch[1]) / 2  # TensorFlow's metrics.mean(loss): one weight per batch
     assert on_cpu.evaluate(lambda params: (x[:100], y[:100]))["loss"] == pytest.approx(expected, rel=1e-5)
 
 
@@ -271,7 +279,7 @@ def test_evaluation_tensors_keep_the_batch_and_a_partly_padded_core_is_named(tmp
                                           eval_batch_size=64)
 
     estimator().train(lambda params: mnist("train", 64), steps=1)
-    with pytest.raises(ValueError, match="'mean_logit' has shape \\(\\), but a core's batch has 8 rows: .*keep the "
+    with pytest.raises(ValueError, match="'mean_logit' has shape \\(\\), but a core's batch has 8 rows: .*keeps its "
                                          "batch dimension"):
         estimator({"scalar": True}).evaluate(lambda params: mnist("test", 64))
     with caplog.at_level("WARNING", logger="keras_tpu"):
@@ -326,3 +334,68 @@ def test_train_and_evaluate_evaluates_each_new_checkpoint_and_exports(tmp_path, 
         tpu_estimator.train_and_evaluate(estimator, train_spec, {"steps": 1})
     with pytest.raises(ValueError, match="unique names"):
         tpu_estimator.EvalSpec(lambda params: None, exporters=[tpu_estimator.FinalExporter("a", serving)] * 2)
+
+
+def real_model_fn(features, labels, mode, params):
+    """What TensorFlow's TPU models do in model_fn (tensorflow/tpu's ResNet, google-research's BERT): weight decay on
+    the kernels, dropout in TRAIN only, labels inside the features dict (input_fn returns no labels), explicit layer
+    names ending in digits, a metric tensor flattened to batch * positions, an EstimatorSpec in PREDICT."""
+    labels = features.get("label") if labels is None else labels
+    x = keras.layers.Rescaling(1 / 255)(keras.layers.Flatten()(features["image"]))
+    if mode == tpu_estimator.ModeKeys.TRAIN and params.get("dropout"):
+        x = keras.layers.Dropout(0.1)(x)
+    regularizer = keras.regularizers.L2(params["wd"] / 2) if params["wd"] else None  # TF's wd * l2_loss(kernel)
+    logits = keras.layers.Dense(10, use_bias=False, kernel_regularizer=regularizer, name="block_3")(x)
+    if mode == tpu_estimator.ModeKeys.PREDICT:  # ResNet's model_fn returns an EstimatorSpec here
+        return tpu_estimator.EstimatorSpec(mode, predictions={"logits": logits})
+    xent = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+    loss = keras.ops.mean(xent)
+    if mode == tpu_estimator.ModeKeys.EVAL:
+        positions = keras.ops.reshape(keras.ops.stack([xent, 2 * xent], axis=1), (-1,))  # (batch * 2,)
+        def metric_fn(positions, xent):
+            params["seen"].update(positions=np.asarray(positions), xent=np.asarray(xent))
+            return {"mean_xent": float(np.mean(xent))}
+
+        return tpu_estimator.TPUEstimatorSpec(mode, loss=loss, eval_metrics=(
+            metric_fn, {"positions": positions, "xent": xent}))
+    optimizer = keras.optimizers.SGD(0.5, weight_decay=params.get("sgd_decay"))
+    return tpu_estimator.TPUEstimatorSpec(mode, loss=loss, train_op=tpu_estimator.CrossShardOptimizer(optimizer))
+
+
+def test_tensorflow_tpu_model_fns_train_with_weight_decay_and_features_only_inputs(tmp_path):
+    def estimator(directory, **params):
+        config = tpu_estimator.RunConfig(model_dir=str(tmp_path / directory),
+                                         tpu_config=tpu_estimator.TPUConfig(iterations_per_loop=1, num_shards=8))
+        return tpu_estimator.TPUEstimator(model_fn=real_model_fn, config=config, params=params,
+                                          train_batch_size=64, eval_batch_size=64, predict_batch_size=64)
+
+    def features_only(rows):  # BERT's input_fn: one dict, the label among the features
+        x, y = mnist("train", rows)
+        return lambda params: {"image": x, "label": y}
+
+    keras.utils.set_random_seed(0)
+    decayed = estimator("l2", wd=0.2, dropout=False)
+    decayed.train(features_only(64), max_steps=1)
+    keras.utils.set_random_seed(0)
+    decoupled = estimator("sgd", wd=0.0, sgd_decay=0.2, dropout=False)  # plain SGD: the same update
+    decoupled.train(features_only(64), max_steps=1)
+    kernel = decayed.get_variable_value("block_3/kernel")  # the name the user gave, as TensorFlow keeps it
+    np.testing.assert_allclose(kernel, decoupled.get_variable_value("block_3/kernel"), rtol=1e-4, atol=1e-6)
+    keras.utils.set_random_seed(0)
+    undecayed = estimator("none", wd=0.0, dropout=True)  # dropout in TRAIN only
+    undecayed.train(features_only(64), max_steps=1)
+    assert np.abs(kernel - undecayed.get_variable_value("block_3/kernel")).max() > 1e-3
+    # EVAL and PREDICT have no dropout layer (no random-number state) and read the TRAIN checkpoint.
+    assert set(estimator("none", wd=0.0, seen={}).evaluate(features_only(64))) == {"loss", "mean_xent", "global_step"}
+    logits = np.stack([p["logits"] for p in undecayed.predict(lambda params: {"image": mnist("test", 5)[0]})])
+    assert logits.shape == (5, 10)
+
+    # The EVAL loss adds the regularizer, as Keras does; the metric tensor of two positions per example comes back
+    # flattened, padding left out.
+    seen = {}
+    results = estimator("l2", wd=0.2, seen=seen).evaluate(features_only(100))
+    plain = estimator("l2", wd=0.0, seen={}).evaluate(features_only(100))  # the same checkpoint, no regularizer
+    assert results["loss"] - plain["loss"] == pytest.approx(0.1 * np.sum(kernel.astype(np.float64) ** 2), rel=1e-4)
+    positions, xent = seen["positions"], seen["xent"]
+    assert positions.shape == (200,) and xent.shape == (100,)
+    np.testing.assert_allclose(positions, np.stack([xent, 2 * xent], axis=1).reshape(-1), rtol=1e-6)
