@@ -55,10 +55,11 @@ of all real evaluation examples; those tensors keep the batch dimension (one
 or more rows per example), and so do the predictions. The loss the optimizer
 minimises, and the evaluation loss, add the weight regularizers of the layers
 ``model_fn`` creates (``kernel_regularizer=...``) to ``model_fn``'s loss, as
-Keras does. A variable used in ``keras.ops`` outside a layer (a tied
-embedding table transposed in ``model_fn``, say) is read once, when the
-graph is built: use it inside a layer's ``call`` to train it. A partial last batch is padded
-to whole cores' batches (on the CPU it runs at its own size) and the padding
+Keras does. A variable passed to an op with a symbolic input is read as the
+graph runs; ``keras.ops`` on a variable alone (a tied embedding table
+transposed in ``model_fn``) would run once, when the graph is built, and is
+refused where its result is a weight's value or transpose. A partial last
+batch is padded to whole cores' batches (on the CPU it runs at its own size) and the padding
 is removed from the metric tensors and predictions; a core that holds real
 and padding rows computes its loss over both (a TPU cannot run a partial
 batch at all: TensorFlow's input functions use ``drop_remainder=True``), and
@@ -738,6 +739,34 @@ def _symbolic(example, name, batch_size=None):
     return symbolic(example, name)
 
 
+def _refuse_variables_read_outside_layers(graph):
+    """Refuse a graph holding the value of one of its weights (or its transpose) as a constant.
+
+    A ``keras.ops`` call on a variable alone in ``model_fn`` (BERT's output
+    layer multiplies by the transposed embedding table) runs once, when the
+    graph is built: its result is a constant, which would neither train nor
+    load from checkpoints. Passing the variable itself to an op that also
+    takes a symbolic tensor is fine: the graph reads it when it runs.
+    """
+    weights = [(v.path, np.asarray(v.value)) for v in graph.trainable_variables if np.prod(v.shape) > 1]
+    weights = [(path, value) for path, value in weights if np.ptp(value) > 0]  # a constant init could match anything
+    for operation in graph.operations:
+        for node in getattr(operation, "_inbound_nodes", []):
+            for argument in tree.flatten((node.arguments.args, node.arguments.kwargs)):
+                if isinstance(argument, (keras.KerasTensor, keras.Variable)) or np.ndim(argument) == 0:
+                    continue
+                constant = np.asarray(argument)
+                for path, value in weights:
+                    if any(constant.shape == candidate.shape and np.array_equal(constant, candidate)
+                           for candidate in (value, value.T)):
+                        raise ValueError(
+                            f"model_fn computes {operation.name!r} from the value of the weight {path!r} outside a "
+                            f"layer (keras.ops on the variable alone, such as a transposed embedding table): that "
+                            f"value is read once, when the graph is built, so it would neither train nor load from "
+                            f"checkpoints. Pass the variable itself to an op with a symbolic input "
+                            f"(keras.ops.matmul(x, layer.kernel)), or read it inside a layer's call.")
+
+
 def _is_random_state(name):
     """Whether the variable at ``name`` (a path or checkpoint name) is a layer's random-number state."""
     return name.rsplit("/", 1)[-1].startswith("seed_generator_state")
@@ -1147,6 +1176,7 @@ class TPUEstimator:
             logger.warning("TPUEstimatorSpec scaffold_fn and host_call are not run by keras_tpu (no TensorFlow "
                            "graph or summaries); use hooks for per-loop work.")
         graph = keras.Model(inputs=inputs, outputs=outputs, name=f"model_fn_{mode}")
+        _refuse_variables_read_outside_layers(graph)
         return graph, spec
 
     def _graph_model(self, mode, features, labels):

@@ -399,3 +399,36 @@ def test_tensorflow_tpu_model_fns_train_with_weight_decay_and_features_only_inpu
     positions, xent = seen["positions"], seen["xent"]
     assert positions.shape == (200,) and xent.shape == (100,)
     np.testing.assert_allclose(positions, np.stack([xent, 2 * xent], axis=1).reshape(-1), rtol=1e-6)
+
+
+def test_a_weight_read_outside_a_layer_is_refused_and_a_variable_passed_to_an_op_trains(tmp_path):
+    """BERT's output layer reuses the embedding table: keras.ops on the variable alone would run once, at graph
+    building (a constant that never trains); the variable itself passed to an op with a symbolic input is read
+    when the graph runs."""
+    def model_fn(features, labels, mode, params):
+        hidden = keras.layers.Dense(6, name="hidden")
+        table = keras.layers.Dense(6, name="table")
+        h = hidden(features)
+        h = h + 0.0 * table(h)  # the table is a weight of the graph
+        kernel = keras.ops.transpose(table.kernel) if params["transposed"] else table.kernel
+        logits = keras.ops.matmul(h, kernel)
+        loss = keras.ops.mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+        return tpu_estimator.TPUEstimatorSpec(
+            mode, loss=loss, train_op=tpu_estimator.CrossShardOptimizer(keras.optimizers.SGD(0.5)))
+
+    def estimator(transposed):
+        config = tpu_estimator.RunConfig(model_dir=str(tmp_path / str(transposed)),
+                                         tpu_config=tpu_estimator.TPUConfig(iterations_per_loop=1, num_shards=8))
+        return tpu_estimator.TPUEstimator(model_fn=model_fn, config=config, params={"transposed": transposed},
+                                          train_batch_size=64)
+
+    x = np.random.default_rng(0).standard_normal((64, 4)).astype("float32")
+    y = np.random.default_rng(1).integers(0, 6, 64).astype("int32")
+    with pytest.raises(ValueError, match="'matmul' from the value of the weight 'table/kernel' outside a layer"):
+        estimator(True).train(lambda params: (x, y), max_steps=1)
+    direct = estimator(False)
+    keras.utils.set_random_seed(0)
+    direct.train(lambda params: (x, y), max_steps=1)
+    first = direct.get_variable_value("table/kernel")
+    direct.train(lambda params: (x, y), max_steps=2)
+    assert np.abs(direct.get_variable_value("table/kernel") - first).max() > 1e-3  # it gets a gradient
