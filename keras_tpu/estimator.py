@@ -59,11 +59,11 @@ Keras does. A variable passed to an op with a symbolic input is read as the
 graph runs; ``keras.ops`` on a variable alone (a tied embedding table
 transposed in ``model_fn``) would run once, when the graph is built, and is
 refused where its result is a weight's value or transpose. A partial last
-batch is padded to whole cores' batches (on the CPU it runs at its own size) and the padding
-is removed from the metric tensors and predictions; a core that holds real
-and padding rows computes its loss over both (a TPU cannot run a partial
-batch at all: TensorFlow's input functions use ``drop_remainder=True``), and
-a warning says so.
+batch is padded to whole cores' batches (on the CPU it runs at its own size)
+and the padding is removed from the metric tensors and predictions; a core
+that holds real and padding rows computes its loss over both (a TPU cannot
+run a partial batch at all: TensorFlow's input functions use
+``drop_remainder=True``), and a warning says so.
 
 Checkpoints are ``model_dir/ckpt-<step>.npz`` files (:mod:`keras_tpu._checkpoints`);
 :meth:`TPUEstimator.latest_checkpoint` returns the newest one's path, and
@@ -114,10 +114,9 @@ from keras_tpu._train_and_evaluate import (EvalSpec, Exporter, FinalExporter, La
 
 __all__ = [
     "CheckpointSaverListener", "CrossShardOptimizer", "EstimatorSpec", "EvalSpec", "ExportSavedModelApiVersion",
-    "Exporter",
-    "FinalExporter", "InputPipelineConfig", "LatestExporter", "ModeKeys", "RunConfig", "SessionRunContext",
-    "SessionRunHook", "SessionRunValues", "TPUConfig", "TPUContext", "TPUEstimator", "TPUEstimatorSpec", "TrainSpec",
-    "WarmStartSettings", "train_and_evaluate", "variable_names",
+    "Exporter", "FinalExporter", "InputPipelineConfig", "LatestExporter", "ModeKeys", "RunConfig",
+    "SessionRunContext", "SessionRunHook", "SessionRunValues", "TPUConfig", "TPUContext", "TPUEstimator",
+    "TPUEstimatorSpec", "TrainSpec", "WarmStartSettings", "train_and_evaluate", "variable_names",
 ]
 
 
@@ -748,23 +747,25 @@ def _refuse_variables_read_outside_layers(graph):
     load from checkpoints. Passing the variable itself to an op that also
     takes a symbolic tensor is fine: the graph reads it when it runs.
     """
-    weights = [(v.path, np.asarray(v.value)) for v in graph.trainable_variables if np.prod(v.shape) > 1]
-    weights = [(path, value) for path, value in weights if np.ptp(value) > 0]  # a constant init could match anything
-    for operation in graph.operations:
-        for node in getattr(operation, "_inbound_nodes", []):
-            for argument in tree.flatten((node.arguments.args, node.arguments.kwargs)):
-                if isinstance(argument, (keras.KerasTensor, keras.Variable)) or np.ndim(argument) == 0:
-                    continue
-                constant = np.asarray(argument)
-                for path, value in weights:
-                    if any(constant.shape == candidate.shape and np.array_equal(constant, candidate)
-                           for candidate in (value, value.T)):
-                        raise ValueError(
-                            f"model_fn computes {operation.name!r} from the value of the weight {path!r} outside a "
-                            f"layer (keras.ops on the variable alone, such as a transposed embedding table): that "
-                            f"value is read once, when the graph is built, so it would neither train nor load from "
-                            f"checkpoints. Pass the variable itself to an op with a symbolic input "
-                            f"(keras.ops.matmul(x, layer.kernel)), or read it inside a layer's call.")
+    constants = [(operation, argument) for operation in graph.operations
+                 for node in getattr(operation, "_inbound_nodes", [])
+                 for argument in tree.flatten((node.arguments.args, node.arguments.kwargs))
+                 if not isinstance(argument, (keras.KerasTensor, keras.Variable)) and np.ndim(argument) > 0]
+    for operation, argument in constants:  # few: only the weights of their shape are read
+        shape = tuple(np.shape(argument))
+        for variable in graph.trainable_variables:
+            if len(shape) > 2 or shape not in (tuple(variable.shape), tuple(variable.shape)[::-1]):
+                continue
+            value, constant = np.asarray(variable.value), np.asarray(argument)
+            if np.ptp(value) > 0 and any(  # (a constant initial value could match anything)
+                    constant.shape == candidate.shape and np.array_equal(constant, candidate)
+                    for candidate in (value, value.T)):
+                raise ValueError(
+                    f"model_fn computes {operation.name!r} from the value of the weight {variable.path!r} outside "
+                    f"a layer (keras.ops on the variable alone, such as a transposed embedding table): that value "
+                    f"is read once, when the graph is built, so it would neither train nor load from checkpoints. "
+                    f"Pass the variable itself to an op with a symbolic input (keras.ops.matmul(x, layer.kernel)), "
+                    f"or read it inside a layer's call.")
 
 
 def _is_random_state(name):
