@@ -25,12 +25,8 @@ import os
 import shutil
 import time
 
+from keras_tpu import _validation as validation
 from keras_tpu._logging import logger
-
-
-def _positive_or_none(value, name):
-    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0):
-        raise ValueError(f"Must specify {name} > 0, given: {value}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +46,8 @@ class TrainSpec:
     def __post_init__(self):
         if not callable(self.input_fn):
             raise TypeError(f"`input_fn` must be callable, given: {self.input_fn!r}")
-        _positive_or_none(self.max_steps, "max_steps")
+        validation.check_positive_integer(self.max_steps, "max_steps", "the global step training stops at",
+                                          call="TrainSpec")
         object.__setattr__(self, "hooks", tuple(self.hooks or ()))
         object.__setattr__(self, "saving_listeners", tuple(self.saving_listeners or ()))
 
@@ -81,7 +78,7 @@ class EvalSpec:
     def __post_init__(self):
         if not callable(self.input_fn):
             raise TypeError(f"`input_fn` must be callable, given: {self.input_fn!r}")
-        _positive_or_none(self.steps, "steps")
+        validation.check_positive_integer(self.steps, "steps", "batches per evaluation; None: all", call="EvalSpec")
         if self.name is not None and not isinstance(self.name, str):
             raise TypeError(f"`name` must be a string, given: {self.name!r}")
         for argument in ("start_delay_secs", "throttle_secs"):
@@ -126,7 +123,8 @@ class LatestExporter(Exporter):
     def __init__(self, name, serving_input_receiver_fn, assets_extra=None, as_text=False, exports_to_keep=5):
         if not name:
             raise ValueError("An exporter needs a name.")
-        _positive_or_none(exports_to_keep, "exports_to_keep")
+        validation.check_positive_integer(exports_to_keep, "exports_to_keep", "exports kept; None: all",
+                                          call="LatestExporter")
         self._name = name
         self._serving_input_receiver_fn = serving_input_receiver_fn
         self._assets_extra = assets_extra
