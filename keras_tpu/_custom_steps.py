@@ -4,22 +4,34 @@ Keras' guide "Customizing what happens in fit() with JAX" writes steps as
 ``train_step(self, state, data) -> (logs, state)`` with
 ``optimizer.stateless_apply`` and ``metric.stateless_update_state``. VAEs, GANs,
 distillation and contrastive learning are written this way. keras-tpu runs
-them with a TPU's semantics, as TensorFlow's ``TPUStrategy`` does:
+them so:
 
-* **Every core runs the user's step on its own rows** (mapped over the core
-  axis, the weights shared): BatchNormalization statistics, dropout streams
-  and losses per core, every matrix product on the MXU.
+* **On the whole batch where the cores' split changes nothing the model's
+  layers compute** (no batch statistics or activity regularizers in
+  training, no random layers, no convolutions to train, which run faster
+  per core: :func:`runs_on_the_whole_batch`): the step runs
+  once on all the cores' rows, as Keras runs it on the CPU, every matrix
+  product on the MXU. The user's own arithmetic then sees the batch it was
+  written for: a loss summed over the rows, a ``Sum`` metric, a statistic
+  over pairs of rows.
+* **Otherwise every core runs the user's step on its own rows**, with a
+  TPU's semantics, as TensorFlow's ``TPUStrategy`` does (mapped over the
+  core axis, the weights shared): BatchNormalization statistics, dropout
+  streams and losses per core.
 * **Gradients are averaged across the cores when an optimizer applies them**
   (each optimizer's ``stateless_apply`` sees the cross-core mean), so a GAN's
   two optimizers, or an update that a later part of the step reads, behave as
-  on a TPU. Every core then holds the same weights; one copy is kept.
+  on a TPU. Every core then holds the same weights; one copy is kept. (A loss
+  summed over each core's rows thus trains with the cores' mean of their
+  sums: 1/8 of the CPU's gradient on 8 cores.)
 * **Metric states are combined across cores** (their per-core increments are
   summed: Keras' metric states are sums and counts), and the logs are the
   metrics' results on the combined states; other logged values are averaged
   over the cores. Moving statistics are averaged over the cores. A metric
   updated with one value per step (a scalar: keras.io's ``Mean`` loss
   trackers) counts steps, not rows: a step on fewer cores than the TPU has
-  (see below) adds as much as a full step, as the step does on the CPU.
+  (see below) adds as much as a full step, as the step does on the CPU; a
+  metric whose state is one sum (``Sum``) adds what the cores add.
 * **A loss added per row** (``add_loss`` of a vector with one value per row,
   as keras.io's CTC layers add ``ctc_batch_cost``) is summed by Keras over
   the batch; each core's sum counts in full (times the cores the step runs
@@ -28,7 +40,8 @@ them with a TPU's semantics, as TensorFlow's ``TPUStrategy`` does:
 * **No padding row reaches the user's code**, which cannot know our masks: a
   batch whose rows do not split evenly over the cores (a partial last batch,
   or ``batch_size=100``) runs on the largest number of cores that divides it
-  (100 rows: 5 cores of 20), with its own program, compiled once per shape.
+  (100 rows: 5 cores of 20), with its own program, compiled once per shape
+  (on the whole batch, each batch shape compiles once).
 
 Steps run one per device call; ``steps_per_execution`` batches are fed per
 call of the function Keras asks for, as Keras' own JAX trainer does.
@@ -61,6 +74,84 @@ def custom_step_methods(model):
         []
     """
     return _keras_private.overridden_methods(model, STEP_METHODS)
+
+
+#: Layers whose training step couples the rows of a batch: batch statistics, a loss on the batch's activations.
+_BATCH_DEPENDENT_IN_TRAINING = tuple(getattr(keras.layers, name) for name in (
+    "BatchNormalization", "ActivityRegularization") if hasattr(keras.layers, name))
+
+def couples_rows_in_training(layer):
+    """Whether ``layer``, in training, computes statistics over the batch (BatchNormalization) or adds a loss on
+    the batch's activations (an activity regularizer): each TPU core then computes them on its own rows.
+
+    Example:
+        >>> couples_rows_in_training(keras.layers.BatchNormalization()), couples_rows_in_training(keras.layers.Dense(2))
+        (True, False)
+    """
+    return isinstance(layer, _BATCH_DEPENDENT_IN_TRAINING) or bool(getattr(layer, "activity_regularizer", None))
+
+
+def random_in_training(layer):
+    """Whether ``layer`` draws random numbers in training (dropout and noise layers, recurrent or attention
+    dropout): each TPU core draws its own.
+
+    Keras' dropout and noise layers draw nothing at rate (stddev) 0, as
+    MultiHeadAttention's inner Dropout and recurrent layers' cells do by
+    default; Keras' layers name their randomness so.
+
+    Example:
+        >>> random_in_training(keras.layers.Dropout(0.5)), random_in_training(keras.layers.Dropout(0.0))
+        (True, False)
+    """
+    return any(isinstance(value, (int, float)) and value > 0 for value in
+               (getattr(layer, name, 0) for name in ("rate", "stddev", "dropout", "recurrent_dropout")))
+
+
+def runs_on_the_whole_batch(model, mode):
+    """Whether ``model``'s own ``mode`` step (``"train"``, ``"test"`` or ``"predict"``) runs once on all the
+    cores' rows as one batch, rather than on each core's rows.
+
+    A TPU core's share of the batch changes what a model's layers compute only
+    through batch statistics and activity regularizers in training (each core
+    its own rows', see :func:`couples_rows_in_training`) and random numbers
+    (each core its own stream): models with none of these run their own step
+    on the whole batch, as Keras runs it on the CPU, so the user's code sees
+    the batch it was written for. Where the split changes nothing the layers
+    compute, it changed the user's own arithmetic: a loss summed over
+    the rows came out as the cores' mean of their sums (1/8 of the CPU's
+    gradient), a ``Sum`` metric of rows seen counted a partial step on 4
+    cores twice, and a statistic over pairs of rows (keras.io DDIM's KID) was
+    0/0 on cores of one row. The whole batch also runs faster: no core axis
+    in every op, except for a model with convolutions, whose training step
+    keeps each core's rows for speed (see ``_CONVOLUTIONS``). At inference
+    only random draws matter, and Keras' own layers draw none then; a layer
+    of the user's own that owns a seed generator may draw in any step.
+
+    Example:
+        >>> runs_on_the_whole_batch(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]), "train")
+        True
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dropout(0.5)])
+        >>> runs_on_the_whole_batch(model, "train"), runs_on_the_whole_batch(model, "test")
+        (False, True)
+    """
+    training = mode == "train"
+    return not any(training and (couples_rows_in_training(layer) or random_in_training(layer)
+                                 or isinstance(layer, _CONVOLUTIONS))
+                   or _draws_at_any_time(layer) for layer in [model] + _keras_private.all_layers(model))
+
+
+#: Keras' convolution layers: a training step with one keeps each core's rows, whose convolution gradients XLA:CPU
+#: runs much faster than the whole batch's (keras.io's DCGAN, batch 64: 148 images/s per core, 16 on the whole
+#: batch, plain Keras 29).
+_CONVOLUTIONS = tuple(getattr(keras.layers, name) for name in (
+    "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose", "SeparableConv1D",
+    "SeparableConv2D", "DepthwiseConv1D", "DepthwiseConv2D") if hasattr(keras.layers, name))
+
+
+def _draws_at_any_time(layer):
+    # A layer (or model) of the user's own with a seed generator may draw in any step (keras.io VAE's Sampling, a
+    # GAN's latent vectors); Keras' own layers draw in training only, their rate named (see random_in_training).
+    return bool(_keras_private.seed_generators(layer)) and type(layer).__module__.split(".")[0] != "keras"
 
 
 def cores_for_rows(rows, num_cores):
@@ -163,6 +254,7 @@ class CustomSteps:
             raise ValueError(
                 f"{type(self.model).__name__} has its own step methods, which keras_tpu runs on the cores of one "
                 f"process; this TPU spans {self.layout.num_devices} worker processes. Train it on one worker.")
+        self._whole_batch = {}  # mode -> whether its step runs on the whole batch
 
     def function(self, mode, steps_per_execution):
         program = _CustomProgram(mode, self, int(steps_per_execution))
@@ -170,8 +262,16 @@ class CustomSteps:
 
     # -- what the device runs for one step on `cores` cores -------------------------------
 
+    def runs_on_the_whole_batch(self, mode):
+        """Whether the model's ``mode`` step runs on all the cores' rows as one batch (see
+        :func:`runs_on_the_whole_batch`): decided once per mode."""
+        if mode not in self._whole_batch:
+            self._whole_batch[mode] = runs_on_the_whole_batch(self.model, mode)
+        return self._whole_batch[mode]
+
     def device_step(self, mode, cores):
         model, builder = self.model, self.builder
+        whole = self.runs_on_the_whole_batch(mode)
 
         def split(data):
             return jax.tree.map(lambda a: a.reshape((cores, a.shape[0] // cores) + a.shape[1:]), data)
@@ -220,8 +320,11 @@ class CustomSteps:
             share = jnp.full((cores,), 1.0 / cores, jnp.float32)
             combined_non_trainable = builder._combine_non_trainable(non_trainable, new_state[1], share)
             # A metric counting steps gets a full step's increment from a step on fewer cores: the cores' mean
-            # increment times the TPU's cores (a step on all of them adds each core's: the same).
-            per_step = [self.layout.num_cores / cores if scalar_updates.get(id(metric)) else 1.0
+            # increment times the TPU's cores (a step on all of them adds each core's: the same). A metric whose
+            # state is one sum (Keras' Sum) adds what the cores add: its rows seen, say, are the batch's. A step
+            # on the whole batch adds what it adds, as on the CPU.
+            per_step = [self.layout.num_cores / cores
+                        if scalar_updates.get(id(metric)) and len(metric.variables) > 1 and not whole else 1.0
                         for metric in model.metrics for _ in metric.variables]
             if len(per_step) != len(metrics_values):  # (not the model's metrics_variables: sum them as they are)
                 per_step = [1.0] * len(metrics_values)
@@ -320,11 +423,14 @@ class _CustomProgram:
             rows = _rows(data)
             x = keras.utils.unpack_x_y_sample_weight(data)[0] if isinstance(data, tuple) else data
             whose = "the model's own" if f"{self.mode}_step" in custom_step_methods(self.custom.model) else "Keras'"
+            if self.custom.runs_on_the_whole_batch(self.mode):
+                where = f"on the {self.layout.num_cores} cores' rows as one batch"
+            else:
+                where = f"on {cores} core(s)" + ("" if cores == self.layout.num_cores else
+                                                 f": {rows} rows do not split evenly over {self.layout.num_cores}")
             logger.info("Compiled the TPU %s program (global batch %d, %d step(s) per call) in %.1f s "
-                        "(%s %s_step on %d core(s)%s); inputs %s.", self.mode, rows, 1,
-                        time.perf_counter() - started, whose, self.mode, cores,
-                        "" if cores == self.layout.num_cores else f": {rows} rows do not split evenly over "
-                        f"{self.layout.num_cores}", describe_input_shapes(x))
+                        "(%s %s_step %s); inputs %s.", self.mode, rows, 1, time.perf_counter() - started, whose,
+                        self.mode, where, describe_input_shapes(x))
             self.custom.builder.note_compiled_shape(self.mode, describe_input_shapes(x, rows=0))
         return executable
 
@@ -342,7 +448,8 @@ class _CustomProgram:
         rows = _rows(data)
         if rows == 0:
             raise ValueError(f"A batch for {type(self.custom.model).__name__}.{self.mode}_step has no rows.")
-        cores = cores_for_rows(rows, self.layout.num_cores)
+        whole = self.custom.runs_on_the_whole_batch(self.mode)
+        cores = 1 if whole else cores_for_rows(rows, self.layout.num_cores)
         # Per-step overhead is most of a small model's step (~1 ms here): the state stays where the last step
         # left it, and the batch goes to the compiled program as host arrays, which its C++ call places by its
         # own input shardings (a device_put first cost 0.4 ms per step; jnp.asarray 2 ms per array).
@@ -386,4 +493,5 @@ class _CustomProgram:
         return tree.map_structure(lambda *parts: jnp.concatenate(parts), *outputs), state
 
 
-__all__ = ["CustomSteps", "cores_for_rows", "custom_step_methods", "gradients_summed_over_cores"]
+__all__ = ["CustomSteps", "cores_for_rows", "couples_rows_in_training", "custom_step_methods",
+           "gradients_summed_over_cores", "random_in_training", "runs_on_the_whole_batch"]

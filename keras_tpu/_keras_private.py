@@ -551,6 +551,12 @@ def all_layers(model):
     return list(model._flatten_layers(include_self=False))
 
 
+def seed_generators(layer):
+    """The ``keras.random.SeedGenerator``s ``layer`` itself owns (not its sublayers'): Keras tracks them in a
+    private list, and no public API names them."""
+    return list(getattr(layer, "_seed_generators", ()))
+
+
 def auto_named(layer):
     """Whether ``layer``'s name is the one Keras gives a layer created without a name (``dense``, ``dense_7``)."""
     from keras.src.utils.naming import to_snake_case  # Keras' naming rule has no public name

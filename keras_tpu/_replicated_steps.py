@@ -65,7 +65,7 @@ from keras_tpu import _keras_private, _hbm as hbm, _host as host, _pod as pod, _
 from keras_tpu._logging import logger
 from keras_tpu._batching import BatchStacker, describe_input_shapes, same_shape_runs, unstack_outputs
 from keras_tpu._cores import REPLICATED, ROWS, CoreLayout, ProgramsInFlight, same_arrays
-from keras_tpu._custom_steps import CustomSteps, custom_step_methods
+from keras_tpu._custom_steps import CustomSteps, couples_rows_in_training, custom_step_methods, random_in_training
 from keras_tpu.mxu import _kernels as kernels
 from keras_tpu.mxu._numerics import Precision, canonical_precision
 from keras_tpu.mxu._routing import mxu_rule
@@ -140,11 +140,6 @@ def rows_independent_at_inference(model):
     return all(_row_wise_at_inference(layer) for layer in model.layers)
 
 
-#: Layers whose training step couples the rows of a batch: batch statistics, a loss on the batch's activations.
-_BATCH_DEPENDENT_IN_TRAINING = tuple(getattr(keras.layers, name) for name in (
-    "BatchNormalization", "ActivityRegularization") if hasattr(keras.layers, name))
-
-
 def rows_independent_in_training(model):
     """Whether each row's loss in a training step of ``model`` depends on that row alone (and the weights).
 
@@ -163,16 +158,8 @@ def rows_independent_in_training(model):
     """
     if not rows_independent_at_inference(model):
         return False
-    return not any(isinstance(layer, _BATCH_DEPENDENT_IN_TRAINING) or getattr(layer, "activity_regularizer", None)
-                   or _random_in_training(layer) for layer in [model] + _keras_private.all_layers(model))
-
-
-def _random_in_training(layer):
-    # Keras' dropout and noise layers draw nothing at rate (stddev) 0, as MultiHeadAttention's inner Dropout
-    # and recurrent layers' cells do by default; the layers rows_independent_at_inference admits name their
-    # randomness so.
-    return any(isinstance(value, (int, float)) and value > 0 for value in
-               (getattr(layer, name, 0) for name in ("rate", "stddev", "dropout", "recurrent_dropout")))
+    return not any(couples_rows_in_training(layer) or random_in_training(layer)
+                   for layer in [model] + _keras_private.all_layers(model))
 
 
 def _row_wise_at_inference(layer):

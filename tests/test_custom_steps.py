@@ -15,6 +15,7 @@ import pytest
 from keras import ops
 
 import keras_tpu
+from keras_tpu import _custom_steps as custom_steps
 from keras_tpu._custom_steps import cores_for_rows
 from keras_tpu._placement import installed_on
 from tests.tpu_helpers import compiled_programs
@@ -85,11 +86,18 @@ def regression_data(rows, seed=0, features=5):
     return x, (x[:, :2].sum(axis=1, keepdims=True) * 0.5).astype("float32")
 
 
+@pytest.fixture
+def steps_on_each_cores_rows(monkeypatch):
+    """Own steps run on each core's rows even where the model would run them on the whole batch (a model with
+    batch statistics or random layers does): the per-core path, tested on models whose CPU results it equals."""
+    monkeypatch.setattr(custom_steps, "runs_on_the_whole_batch", lambda model, mode: False)
+
+
 def test_cores_for_rows():
     assert [cores_for_rows(r, 8) for r in (1024, 64, 100, 12, 97, 1)] == [8, 8, 5, 6, 1, 1]
 
 
-def test_a_jax_style_train_step_matches_the_cpu_on_batches_that_split_evenly(caplog):
+def test_a_jax_style_train_step_matches_the_cpu_on_batches_that_split_evenly(caplog, steps_on_each_cores_rows):
     caplog.set_level(logging.INFO, logger="keras_tpu")
     x, y = regression_data(128)
     strategy = keras_tpu.TPUStrategy(precision="highest")
@@ -105,7 +113,7 @@ def test_a_jax_style_train_step_matches_the_cpu_on_batches_that_split_evenly(cap
     assert ("train", 32, 1) in compiled_programs(caplog)
 
 
-def test_large_weights_mean_gradient_over_the_cores_matches_the_cpu():
+def test_large_weights_mean_gradient_over_the_cores_matches_the_cpu(steps_on_each_cores_rows):
     # A 96 x 128 kernel: the cores' gradients are averaged by adding them row by row (keras_tpu._vector_unit),
     # not by XLA's reduction over the core axis (YNNPACK's, up to 90x slower): the same numbers.
     x, y = regression_data(64, features=96)
@@ -119,7 +127,7 @@ def test_large_weights_mean_gradient_over_the_cores_matches_the_cpu():
         np.testing.assert_allclose(a, b, atol=2e-6)
 
 
-def test_a_partial_batch_runs_on_the_cores_that_split_it_without_padding(caplog):
+def test_a_partial_batch_runs_on_the_cores_that_split_it_without_padding(caplog, steps_on_each_cores_rows):
     caplog.set_level(logging.INFO, logger="keras_tpu")
     x, y = regression_data(100)  # batches of 32, 32, 32 and 4 rows: the last on 4 cores of one row
     strategy = keras_tpu.TPUStrategy(precision="highest")
@@ -539,3 +547,147 @@ def test_a_model_with_its_own_compile_is_compiled_by_it_after_keras_to_tpu_model
         history = tpu_model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False).history
         for key, values in expected.items():
             np.testing.assert_allclose(history[key], values, rtol=1e-5)
+
+
+class SummedLossModel(keras.Model):
+    """A step whose loss is summed over the rows (as ``tape.gradient`` of a per-row loss vector was in the TF
+    examples keras.io ported), with ``Sum`` metrics of the rows seen and of the squared errors."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+        self.rows_seen = keras.metrics.Sum(name="rows_seen")
+        self.squared_errors = keras.metrics.Sum(name="squared_errors")
+
+    def call(self, x):
+        return self.dense(x)
+
+    @property
+    def metrics(self):
+        return [self.rows_seen, self.squared_errors]
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        x, y = data
+
+        def summed_loss(trainable):
+            y_pred, _ = self.stateless_call(trainable, non_trainable, x)
+            return ops.sum(ops.square(y_pred - y))
+
+        loss, grads = jax.value_and_grad(summed_loss)(trainable)
+        trainable, optimizer_variables = self.optimizer.stateless_apply(optimizer_variables, grads, trainable)
+        rows = self.rows_seen.stateless_update_state(metrics_variables[:1], ops.cast(ops.shape(x)[0], "float32"))
+        errors = self.squared_errors.stateless_update_state(metrics_variables[1:], loss)
+        return ({"rows_seen": self.rows_seen.stateless_result(rows),
+                 "squared_errors": self.squared_errors.stateless_result(errors)},
+                (trainable, non_trainable, optimizer_variables, rows + errors))
+
+
+def summed_loss_model(strategy=None):
+    keras.utils.set_random_seed(0)
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = SummedLossModel()
+        model(np.zeros((1, 3), "float32"))
+        model.compile(keras.optimizers.SGD(0.01))
+    return model
+
+
+def test_a_loss_summed_over_the_rows_trains_as_on_the_cpu(caplog):
+    # The model has no batch statistics and no random layer: its step runs on the whole batch, as on the CPU.
+    # Run on each core's rows, the optimizer got the cores' mean of their sums: 1/8 of the CPU's gradient on a
+    # full batch, the whole of it on a batch of 13 rows (one core).
+    caplog.set_level(logging.INFO, logger="keras_tpu")
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((45, 3)).astype("float32"), rng.standard_normal((45, 1)).astype("float32")
+    model, reference = summed_loss_model(keras_tpu.TPUStrategy(precision="highest")), summed_loss_model()
+    got = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history   # 16, 16 and 13 rows
+    want = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    assert got["rows_seen"] == want["rows_seen"] == [45.0, 45.0]
+    np.testing.assert_allclose(got["squared_errors"], want["squared_errors"], rtol=1e-5)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert "(the model's own train_step on the 8 cores' rows as one batch); inputs (13, 3)" in caplog.text
+
+
+def test_a_sum_metric_of_one_value_per_step_adds_what_the_cores_add(steps_on_each_cores_rows):
+    # On each core's rows (as a model with batch statistics runs them), a Sum of the rows seen is the batch's
+    # rows, also for a step on fewer cores (44 rows: 32, then 12 on 6 cores), not scaled up as a Mean tracker's
+    # per-step value is.
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((44, 3)).astype("float32"), rng.standard_normal((44, 1)).astype("float32")
+    model = summed_loss_model(keras_tpu.TPUStrategy(precision="highest"))
+    assert model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0).history["rows_seen"] == [44.0]
+    assert model.fit(x, y, batch_size=44, epochs=1, shuffle=False, verbose=0).history["rows_seen"] == [44.0]
+
+
+class PairwiseStatisticModel(keras.Model):
+    """A test step that reduces over pairs of rows, as keras.io's DDIM computes its KID."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(3)
+        self.tracker = keras.metrics.Mean(name="pairwise")
+
+    def call(self, x):
+        return self.dense(x)
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def test_step(self, state, data):
+        trainable, non_trainable, metrics_variables = state
+        x = data[0] if isinstance(data, tuple) else data
+        features, _ = self.stateless_call(trainable, non_trainable, x)
+        rows = ops.shape(features)[0]
+        kernel = features @ ops.transpose(features)
+        pairs = ops.cast(rows * (rows - 1), "float32")
+        value = ops.sum(kernel * (1.0 - ops.eye(rows))) / pairs     # the mean over pairs of distinct rows
+        metrics_variables = self.tracker.stateless_update_state(metrics_variables, value)
+        return {"pairwise": self.tracker.stateless_result(metrics_variables)}, (trainable, non_trainable,
+                                                                                metrics_variables)
+
+
+def test_a_statistic_over_the_batchs_rows_is_the_cpus():
+    # On each core's rows it was each core's statistic, and 0/0 on cores of one row (any batch of 8 rows or less).
+    def build(strategy=None):
+        keras.utils.set_random_seed(0)
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            model = PairwiseStatisticModel()
+            model(np.zeros((1, 4), "float32"))
+            model.compile("sgd")
+        return model
+
+    x = np.random.default_rng(0).standard_normal((20, 4)).astype("float32")
+    model, reference = build(keras_tpu.TPUStrategy(precision="highest")), build()
+    for rows in (20, 16, 4):
+        got = model.evaluate(x[:rows], batch_size=rows, verbose=0)
+        assert np.isfinite(got) and got == pytest.approx(reference.evaluate(x[:rows], batch_size=rows, verbose=0),
+                                                         rel=1e-5, abs=1e-6)
+
+
+class Sampling(keras.layers.Layer):
+    """keras.io VAE's sampling layer: a layer of the user's own that draws in every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.seed_generator = keras.random.SeedGenerator(1)
+
+    def call(self, x):
+        return x + keras.random.normal(ops.shape(x), seed=self.seed_generator)
+
+
+@pytest.mark.parametrize("layer, train, test", [
+    (lambda: keras.layers.Dense(2), True, True),
+    (lambda: keras.layers.LSTM(2, return_sequences=True), True, True),     # its seed generator idle at rate 0
+    (lambda: keras.layers.BatchNormalization(), False, True),               # batch statistics in training
+    (lambda: keras.layers.Dense(2, activity_regularizer="l2"), False, True),
+    (lambda: keras.layers.Dropout(0.5), False, True),                      # Keras' own: draws in training only
+    (lambda: keras.layers.LSTM(2, dropout=0.1, return_sequences=True), False, True),
+    (Sampling, False, False),                                               # the user's own: may draw at any time
+    (lambda: keras.layers.Conv1D(2, 2), False, True),                       # trains faster on each core's rows
+])
+def test_which_own_steps_run_on_the_whole_batch(layer, train, test):
+    model = keras.Sequential([keras.Input((3, 2)), layer()])
+    assert (custom_steps.runs_on_the_whole_batch(model, "train"), custom_steps.runs_on_the_whole_batch(model, "test"),
+            custom_steps.runs_on_the_whole_batch(model, "predict")) == (train, test, test)
