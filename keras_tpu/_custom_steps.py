@@ -80,13 +80,19 @@ def custom_step_methods(model):
 _BATCH_DEPENDENT_IN_TRAINING = tuple(getattr(keras.layers, name) for name in (
     "BatchNormalization", "ActivityRegularization") if hasattr(keras.layers, name))
 
+#: The attributes Keras' random layers name their rate by (dropout and noise layers, recurrent cells).
+_RATE_NAMES = ("rate", "stddev", "dropout", "recurrent_dropout")
+
+
 def couples_rows_in_training(layer):
     """Whether ``layer``, in training, computes statistics over the batch (BatchNormalization) or adds a loss on
     the batch's activations (an activity regularizer): each TPU core then computes them on its own rows.
 
     Example:
-        >>> couples_rows_in_training(keras.layers.BatchNormalization()), couples_rows_in_training(keras.layers.Dense(2))
-        (True, False)
+        >>> couples_rows_in_training(keras.layers.BatchNormalization())
+        True
+        >>> couples_rows_in_training(keras.layers.Dense(2))
+        False
     """
     return isinstance(layer, _BATCH_DEPENDENT_IN_TRAINING) or bool(getattr(layer, "activity_regularizer", None))
 
@@ -104,7 +110,7 @@ def random_in_training(layer):
         (True, False)
     """
     return any(isinstance(value, (int, float)) and value > 0 for value in
-               (getattr(layer, name, 0) for name in ("rate", "stddev", "dropout", "recurrent_dropout")))
+               (getattr(layer, name, 0) for name in _RATE_NAMES))
 
 
 def runs_on_the_whole_batch(model, mode):
@@ -136,7 +142,7 @@ def runs_on_the_whole_batch(model, mode):
     """
     training = mode == "train"
     return not any(training and (couples_rows_in_training(layer) or random_in_training(layer)
-                                 or isinstance(layer, _CONVOLUTIONS))
+                                 or _draws_unnamed(layer) or isinstance(layer, _CONVOLUTIONS))
                    or _draws_at_any_time(layer) for layer in [model] + _keras_private.all_layers(model))
 
 
@@ -146,6 +152,12 @@ def runs_on_the_whole_batch(model, mode):
 _CONVOLUTIONS = tuple(getattr(keras.layers, name) for name in (
     "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose", "SeparableConv1D",
     "SeparableConv2D", "DepthwiseConv1D", "DepthwiseConv2D") if hasattr(keras.layers, name))
+
+
+def _draws_unnamed(layer):
+    # A layer with a seed generator and no rate to say it draws nothing: Keras' augmentation layers (RandomFlip,
+    # RandomRotation, ...) draw in training. (Recurrent cells own a generator even at dropout 0: their rate says.)
+    return bool(_keras_private.seed_generators(layer)) and not any(hasattr(layer, name) for name in _RATE_NAMES)
 
 
 def _draws_at_any_time(layer):

@@ -686,6 +686,8 @@ class Sampling(keras.layers.Layer):
     (lambda: keras.layers.LSTM(2, dropout=0.1, return_sequences=True), False, True),
     (Sampling, False, False),                                               # the user's own: may draw at any time
     (lambda: keras.layers.Conv1D(2, 2), False, True),                       # trains faster on each core's rows
+    (lambda: keras.layers.GaussianNoise(0.1), False, True),
+    (lambda: keras.layers.RandomZoom(0.2), False, True),                    # a generator and no rate: it draws
 ])
 def test_which_own_steps_run_on_the_whole_batch(layer, train, test):
     model = keras.Sequential([keras.Input((3, 2)), layer()])
