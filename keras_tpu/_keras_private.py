@@ -66,6 +66,11 @@
   created and compiled under it. Keras has no public hook for model
   creation; every model (functional, Sequential, subclassed) runs
   ``Trainer.__init__``.
+* ``batch_statistics_of_rows``: a core holding real and padding rows (a
+  partial last batch) must normalise with the batch statistics of its real
+  rows alone, as the CPU's smaller batch does. ``BatchNormalization``
+  computes them in ``_moments``, which takes a Keras mask per position but no
+  weight per row, and no public API reaches it.
 * ``optimizers_apply``: a step written by the user (a custom ``train_step``,
   ``strategy.run``'s replica function) applies gradients itself; on a TPU its
   optimizer applies the cores' all-reduced gradients. Keras has no hook
@@ -549,6 +554,56 @@ def inference_kwargs(model):
 def all_layers(model):
     """Every layer inside ``model``, nested ones included."""
     return list(model._flatten_layers(include_self=False))
+
+
+@contextlib.contextmanager
+def batch_statistics_of_rows(model, rows):
+    """Within the block, each ``BatchNormalization`` in ``model`` computes its training statistics over the
+    rows where ``rows`` (one 0/1 value per row of the batch it normalises) is 1.
+
+    When every row counts, the statistics are ``ops.moments``' to the last
+    bit; a Keras mask the layer gets is applied as Keras applies it. A batch
+    with no row counted keeps the statistics of all its rows (finite: its
+    share of the moving statistics and of the loss is 0). Layers that
+    override ``_moments`` keep their own.
+
+    Example:
+        >>> model = keras.Sequential([keras.Input((1,)), keras.layers.BatchNormalization(epsilon=0.0)])
+        >>> x = keras.ops.convert_to_tensor([[1.0], [3.0], [100.0]])
+        >>> with batch_statistics_of_rows(model, keras.ops.convert_to_tensor([1.0, 1.0, 0.0])):
+        ...     keras.ops.convert_to_numpy(model(x, training=True)[:2, 0]).tolist()   # mean 2, variance 1
+        [-1.0, 1.0]
+    """
+    normalizations = [layer for layer in all_layers(model) if isinstance(layer, keras.layers.BatchNormalization)
+                      and type(layer)._moments is keras.layers.BatchNormalization._moments]
+    for layer in normalizations:
+        layer.__dict__["_moments"] = functools.partial(_moments_of_rows, layer, rows)
+    try:
+        yield
+    finally:
+        for layer in normalizations:
+            layer.__dict__.pop("_moments", None)
+
+
+def _moments_of_rows(layer, rows, inputs, mask):
+    """``BatchNormalization._moments(inputs, mask)`` over the rows where ``rows`` is 1 (see
+    :func:`batch_statistics_of_rows`)."""
+    ops = keras.ops
+    counted = ops.cast(rows, inputs.dtype)
+    counted = ops.where(ops.any(counted > 0), counted, ops.ones_like(counted))
+    weights = ops.reshape(counted, (-1,) + (1,) * (len(inputs.shape) - 1))
+    if mask is not None:  # Keras' masked moments: a mask per position, and epsilon in the denominator
+        weights = weights * ops.expand_dims(ops.cast(mask, inputs.dtype), -1)
+    weights = ops.broadcast_to(weights, ops.shape(inputs))
+    axes = layer._reduction_axes
+    count = ops.sum(weights, axes, keepdims=True)
+    if mask is not None:
+        count = count + keras.backend.epsilon()
+    mean = ops.sum(weights * inputs, axes, keepdims=True) / count
+    variance = ops.sum(weights * ops.square(inputs - mean), axes, keepdims=True) / count
+    if mask is not None:
+        return ops.squeeze(mean), ops.squeeze(variance)
+    return ops.squeeze(mean, axes), ops.squeeze(variance, axes)
 
 
 def seed_generators(layer):

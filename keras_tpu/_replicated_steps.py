@@ -838,17 +838,19 @@ class ReplicatedSteps:
                 optimizer_variables=optimizer_values)
             return loss / units, (unscaled, y_pred, new_non_trainable)
 
-        def core_loss(trainable, x, y, loss_weight, core_id, non_trainable=non_trainable,
+        def core_loss(trainable, x, y, loss_weight, rows, core_id, non_trainable=non_trainable,
                       metrics_values=metrics_values, optimizer_values=optimizer_values):
             seeded = self._offset_seeds(non_trainable, core_id, +1)
-            loss, (unscaled, y_pred, new_non_trainable, _) = model.compute_loss_and_updates(
-                trainable, seeded, metrics_values, x, y, loss_weight, training=True,
-                optimizer_variables=optimizer_values)
+            with _keras_private.batch_statistics_of_rows(model, rows):  # the core's real rows, as on the CPU
+                loss, (unscaled, y_pred, new_non_trainable, _) = model.compute_loss_and_updates(
+                    trainable, seeded, metrics_values, x, y, loss_weight, training=True,
+                    optimizer_variables=optimizer_values)
             return loss, (unscaled, y_pred, self._offset_seeds(new_non_trainable, core_id, -1))
 
         def mean_core_loss(trainable):
-            losses, aux = layout.map_cores(core_loss, in_axes=(None, 0, 0, 0, 0))(
-                trainable, by_core(x), by_core(targets), by_core(loss_weight), layout.local_core_ids())
+            losses, aux = layout.map_cores(core_loss, in_axes=(None, 0, 0, 0, 0, 0))(
+                trainable, by_core(x), by_core(targets), by_core(loss_weight), by_core(mask),
+                layout.local_core_ids())
             return jnp.sum(losses) / units, aux
 
         looped = not merged and self._cores_looped(trainable, non_trainable, x)
@@ -856,11 +858,11 @@ class ReplicatedSteps:
             (_, (unscaled, y_pred, new_non_trainable)), grads = jax.value_and_grad(device_loss, has_aux=True)(
                 trainable)
         elif looped:  # each core's forward and backward pass in turn
-            def core_loss_combining(trainable, combined, x, y, loss_weight, core_id, share,
+            def core_loss_combining(trainable, combined, x, y, loss_weight, rows, core_id, share,
                                     replicated=(non_trainable, metrics_values, optimizer_values)):
                 non_trainable, metrics_values, optimizer_values = replicated
-                loss, (unscaled, y_pred, new_non_trainable) = core_loss(trainable, x, y, loss_weight, core_id,
-                                                                        non_trainable, metrics_values,
+                loss, (unscaled, y_pred, new_non_trainable) = core_loss(trainable, x, y, loss_weight, rows,
+                                                                        core_id, non_trainable, metrics_values,
                                                                         optimizer_values)
                 return loss, ((unscaled, y_pred), self._add_core_share(non_trainable, combined, new_non_trainable,
                                                                        share))
@@ -871,7 +873,7 @@ class ReplicatedSteps:
                                          (non_trainable, metrics_values, optimizer_values))
 
             (_, (unscaled, y_pred)), grads, combined = layout.value_and_grad_over_cores(
-                core_loss_combining, trainable, by_core(x), by_core(targets), by_core(loss_weight),
+                core_loss_combining, trainable, by_core(x), by_core(targets), by_core(loss_weight), by_core(mask),
                 layout.local_core_ids(), self._core_shares(mask, real_rows), has_aux=True, carry=list(non_trainable),
                 value_and_grad=core_value_and_grad)
             new_non_trainable = self._device_combined(non_trainable, combined)

@@ -124,6 +124,47 @@ def test_batch_normalization_moving_statistics_skip_padding_cores():
     np.testing.assert_allclose(bn.moving_variance.numpy(), bn_reference.moving_variance.numpy(), rtol=0.1)
 
 
+def _bn_classifier(conv, seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((4, 4, 2) if conv else (6,))
+    h = keras.layers.BatchNormalization(momentum=0.0)(inputs)  # moving statistics = the last step's
+    h = keras.layers.Conv2D(3, 3, activation="relu")(h) if conv else keras.layers.Dense(8, activation="relu")(h)
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(keras.layers.Flatten()(h)))
+    model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+    return model
+
+
+@pytest.mark.parametrize("conv", [False, True], ids=["dense", "conv"])
+def test_batch_normalization_statistics_leave_out_a_cores_padding_rows(conv):
+    """60 rows on 8 cores of 8: core 7 holds 4 real rows and 4 padding rows, and normalises with the 4 real
+    rows' statistics (the variables combine the cores' statistics weighted by their real rows)."""
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((60,) + ((4, 4, 2) if conv else (6,))) * 3 + 1).astype("float32")
+    y = rng.integers(0, 3, (60,))
+    tpu = on_tpu(_bn_classifier(conv), "highest")
+    tpu.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    bn = next(layer for layer in tpu.cpu_model.layers if isinstance(layer, keras.layers.BatchNormalization))
+    cores = [x[start:start + 8].reshape(-1, x.shape[-1]).astype("float64") for start in range(0, 60, 8)]
+    rows = np.array([len(core) for core in cores], "float64") / np.prod(x.shape[1:-1])
+    variance = sum(r * core.var(axis=0) for r, core in zip(rows, cores)) / rows.sum()
+    np.testing.assert_allclose(bn.moving_mean.numpy(), x.reshape(-1, x.shape[-1]).mean(axis=0), rtol=1e-5)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), variance, rtol=1e-5)
+
+
+def test_single_core_batch_normalization_on_a_partial_batch_equals_the_cpu():
+    """With one core, a last batch of 13 rows padded to 16 normalises its 13 rows alone, as the CPU does."""
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((29, 6)) * 3 + 1).astype("float32")
+    y = rng.integers(0, 3, (29,))
+    tpu = on_tpu(_bn_classifier(conv=False), "highest", using_single_core=True)
+    reference = _bn_classifier(conv=False)
+    got = tpu.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
+    want = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(tpu.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
 def test_dropout_draws_a_different_mask_on_every_core():
     from keras_tpu._replicated_steps import ReplicatedSteps
 
