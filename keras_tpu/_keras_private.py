@@ -557,15 +557,20 @@ def all_layers(model):
 
 
 @contextlib.contextmanager
-def batch_statistics_of_rows(model, rows):
+def batch_statistics_of_rows(model, rows, branched=False):
     """Within the block, each ``BatchNormalization`` in ``model`` computes its training statistics over the
     rows where ``rows`` (one 0/1 value per row of the batch it normalises) is 1.
 
-    When every row counts, the statistics are ``ops.moments``' to the last
-    bit; a Keras mask the layer gets is applied as Keras applies it. A batch
-    with no row counted keeps the statistics of all its rows (finite: its
-    share of the moving statistics and of the loss is 0). Layers that
-    override ``_moments`` keep their own.
+    When every row counts, the statistics are Keras' own (``ops.moments``)
+    to the last bit; a Keras mask the layer gets is applied as Keras applies
+    it. A batch with no row counted keeps the statistics of all its rows
+    (finite: its share of the moving statistics and of the loss is 0).
+    Layers that override ``_moments`` keep their own. ``branched``: compute
+    Keras' statistics in a branch of their own where every row counts
+    (``lax.cond``), for a step that runs one core at a time: the weighted sums
+    cost the CIFAR-10 CNN's training step 9% (1333 against 1225 ms per step),
+    and a batch with padding rows is rare (a partial last batch). Vectorised
+    over the cores, both branches would run.
 
     Example:
         >>> model = keras.Sequential([keras.Input((1,)), keras.layers.BatchNormalization(epsilon=0.0)])
@@ -577,7 +582,7 @@ def batch_statistics_of_rows(model, rows):
     normalizations = [layer for layer in all_layers(model) if isinstance(layer, keras.layers.BatchNormalization)
                       and type(layer)._moments is keras.layers.BatchNormalization._moments]
     for layer in normalizations:
-        layer.__dict__["_moments"] = functools.partial(_moments_of_rows, layer, rows)
+        layer.__dict__["_moments"] = functools.partial(_moments_of_rows, layer, rows, branched)
     try:
         yield
     finally:
@@ -585,9 +590,13 @@ def batch_statistics_of_rows(model, rows):
             layer.__dict__.pop("_moments", None)
 
 
-def _moments_of_rows(layer, rows, inputs, mask):
+def _moments_of_rows(layer, rows, branched, inputs, mask):
     """``BatchNormalization._moments(inputs, mask)`` over the rows where ``rows`` is 1 (see
     :func:`batch_statistics_of_rows`)."""
+    if branched:
+        return jax.lax.cond(keras.ops.all(rows > 0),
+                            lambda inputs: keras.layers.BatchNormalization._moments(layer, inputs, mask),
+                            lambda inputs: _moments_of_rows(layer, rows, False, inputs, mask), inputs)
     ops = keras.ops
     counted = ops.cast(rows, inputs.dtype)
     counted = ops.where(ops.any(counted > 0), counted, ops.ones_like(counted))
