@@ -557,32 +557,33 @@ def all_layers(model):
 
 
 @contextlib.contextmanager
-def batch_statistics_of_rows(model, rows, branched=False):
+def batch_statistics_of_rows(model, rows, every_row_counts):
     """Within the block, each ``BatchNormalization`` in ``model`` computes its training statistics over the
     rows where ``rows`` (one 0/1 value per row of the batch it normalises) is 1.
 
-    When every row counts, the statistics are Keras' own (``ops.moments``)
-    to the last bit; a Keras mask the layer gets is applied as Keras applies
-    it. A batch with no row counted keeps the statistics of all its rows
-    (finite: its share of the moving statistics and of the loss is 0).
-    Layers that override ``_moments`` keep their own. ``branched``: compute
-    Keras' statistics in a branch of their own where every row counts
-    (``lax.cond``), for a step that runs one core at a time: the weighted sums
-    cost the CIFAR-10 CNN's training step 9% (1333 against 1225 ms per step),
-    and a batch with padding rows is rare (a partial last batch). Vectorised
-    over the cores, both branches would run.
+    ``every_row_counts`` (a boolean scalar) selects Keras' own statistics
+    (``ops.moments``, to the last bit) in a branch of their own (``lax.cond``):
+    the weighted sums cost 8-9% of a step (the CIFAR-10 CNN's 1333 against
+    1225 ms, an MLP with BatchNormalization 53 against 49), and a batch with
+    padding rows is rare (a partial last batch). It must not vary over a
+    ``vmap`` (both branches would run): a loop over the cores passes the
+    core's own, cores vectorised their device's. A Keras mask the layer gets
+    is applied as Keras applies it. A batch with no row counted keeps the
+    statistics of all its rows (finite: its share of the moving statistics
+    and of the loss is 0). Layers that override ``_moments`` keep their own.
 
     Example:
         >>> model = keras.Sequential([keras.Input((1,)), keras.layers.BatchNormalization(epsilon=0.0)])
         >>> x = keras.ops.convert_to_tensor([[1.0], [3.0], [100.0]])
-        >>> with batch_statistics_of_rows(model, keras.ops.convert_to_tensor([1.0, 1.0, 0.0])):
+        >>> rows = keras.ops.convert_to_tensor([1.0, 1.0, 0.0])
+        >>> with batch_statistics_of_rows(model, rows, keras.ops.all(rows > 0)):
         ...     keras.ops.convert_to_numpy(model(x, training=True)[:2, 0]).tolist()   # mean 2, variance 1
         [-1.0, 1.0]
     """
     normalizations = [layer for layer in all_layers(model) if isinstance(layer, keras.layers.BatchNormalization)
                       and type(layer)._moments is keras.layers.BatchNormalization._moments]
     for layer in normalizations:
-        layer.__dict__["_moments"] = functools.partial(_moments_of_rows, layer, rows, branched)
+        layer.__dict__["_moments"] = functools.partial(_moments_of_rows, layer, rows, every_row_counts)
     try:
         yield
     finally:
@@ -590,13 +591,15 @@ def batch_statistics_of_rows(model, rows, branched=False):
             layer.__dict__.pop("_moments", None)
 
 
-def _moments_of_rows(layer, rows, branched, inputs, mask):
+def _moments_of_rows(layer, rows, every_row_counts, inputs, mask):
     """``BatchNormalization._moments(inputs, mask)`` over the rows where ``rows`` is 1 (see
     :func:`batch_statistics_of_rows`)."""
-    if branched:
-        return jax.lax.cond(keras.ops.all(rows > 0),
-                            lambda inputs: keras.layers.BatchNormalization._moments(layer, inputs, mask),
-                            lambda inputs: _moments_of_rows(layer, rows, False, inputs, mask), inputs)
+    return jax.lax.cond(every_row_counts,
+                        lambda inputs: keras.layers.BatchNormalization._moments(layer, inputs, mask),
+                        lambda inputs: _weighted_moments(layer, rows, inputs, mask), inputs)
+
+
+def _weighted_moments(layer, rows, inputs, mask):
     ops = keras.ops
     counted = ops.cast(rows, inputs.dtype)
     counted = ops.where(ops.any(counted > 0), counted, ops.ones_like(counted))
