@@ -954,12 +954,17 @@ class TPUEstimator:
             simulated; use ``keras.layers.Embedding`` in ``model_fn``.
         export_saved_model_api_version: :class:`ExportSavedModelApiVersion`
             ``V1`` (default) or ``V2``; both export the same artifact.
+        precision: keras-tpu's own (TensorFlow had none): the MXU precision
+            of ``model_fn``'s matrix products on the cores, as
+            ``TPUDistributionStrategy``'s: ``"default"`` (one bfloat16 pass,
+            a TPU's default), ``"high"`` or ``"highest"`` (float32 to within
+            rounding: a run to compare with ``use_tpu=False``).
     """
 
     def __init__(self, model_fn=None, model_dir=None, config=None, params=None, use_tpu=True, train_batch_size=None,
                  eval_batch_size=None, predict_batch_size=None, batch_axis=None, eval_on_tpu=True,
                  export_to_tpu=True, export_to_cpu=True, warm_start_from=None, embedding_config_spec=None,
-                 export_saved_model_api_version=ExportSavedModelApiVersion.V1):
+                 export_saved_model_api_version=ExportSavedModelApiVersion.V1, *, precision="default"):
         if not callable(model_fn):
             raise ValueError(f"TPUEstimator needs a model_fn (a function returning a TPUEstimatorSpec); "
                              f"got {model_fn!r}.")
@@ -991,7 +996,7 @@ class TPUEstimator:
         self.iterations_per_loop = int(tpu_config.iterations_per_loop)
         # One placement per way of running: the TPU's cores (num_shards of them) and the CPU (use_tpu=False,
         # or evaluation with eval_on_tpu=False).
-        self._tpu = Placement(self.config.cluster or TPUClusterResolver(self.config.master), "default",
+        self._tpu = Placement(self.config.cluster or TPUClusterResolver(self.config.master), precision,
                               num_cores=tpu_config.num_shards, steps_per_execution=self.iterations_per_loop,
                               owner="TPUEstimator") if self.use_tpu else None
         self._cpu = None

@@ -95,7 +95,10 @@ class Recorder(tpu_estimator.SessionRunHook):
 
 
 def test_every_tf_1_15_constructor_argument_is_accepted_or_refused_with_what_to_use(tmp_path):
-    assert list(inspect.signature(TPUEstimator.__init__).parameters)[1:] == TF_115_CONSTRUCTOR
+    parameters = inspect.signature(TPUEstimator.__init__).parameters.values()
+    # TensorFlow's arguments in TensorFlow's order; keras-tpu's own only by keyword.
+    assert [p.name for p in parameters if p.kind != p.KEYWORD_ONLY][1:] == TF_115_CONSTRUCTOR
+    assert [p.name for p in parameters if p.kind == p.KEYWORD_ONLY] == ["precision"]
     estimator = TPUEstimator(
         model_fn=model_fn, model_dir=str(tmp_path), config=run_config(tmp_path), params={"lr": 0.1}, use_tpu=True,
         train_batch_size=64, eval_batch_size=64, predict_batch_size=64, batch_axis=(0, 0), eval_on_tpu=True,

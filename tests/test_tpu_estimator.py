@@ -38,12 +38,13 @@ def mnist(split, rows=None):
     return x[:rows].astype("float32"), y[:rows].astype("int32")
 
 
-def make(model_dir, iterations=5, use_tpu=True, params=None, save_steps=None, batch=64):
+def make(model_dir, iterations=5, use_tpu=True, params=None, save_steps=None, batch=64, **estimator_kwargs):
     config = tpu_estimator.RunConfig(
         master="grpc://10.0.0.2:8470", model_dir=str(model_dir), save_checkpoints_steps=save_steps,
         tpu_config=tpu_estimator.TPUConfig(iterations_per_loop=iterations, num_shards=8), tf_random_seed=0)
     return tpu_estimator.TPUEstimator(model_fn=dense_model_fn, use_tpu=use_tpu, config=config, params=params,
-                                      train_batch_size=batch, eval_batch_size=batch, predict_batch_size=batch)
+                                      train_batch_size=batch, eval_batch_size=batch, predict_batch_size=batch,
+                                      **estimator_kwargs)
 
 
 @pytest.mark.slow
@@ -126,11 +127,18 @@ def test_padded_last_batch_gives_exact_evaluation_and_one_prediction_per_example
 def test_cpu_and_tpu_runs_agree_within_bf16_tolerance(tmp_path):
     tpu = make(tmp_path / "tpu")
     cpu = make(tmp_path / "cpu", use_tpu=False)
-    for estimator in (tpu, cpu):
+    highest = make(tmp_path / "highest", precision="highest")  # keras-tpu's own argument: float32 products
+    for estimator in (tpu, cpu, highest):
         estimator.train(lambda params: mnist("train", 512), max_steps=15)
-    tpu_loss = tpu.evaluate(lambda params: mnist("test", 500))["loss"]
-    cpu_loss = cpu.evaluate(lambda params: mnist("test", 500))["loss"]
-    assert tpu_loss == pytest.approx(cpu_loss, rel=0.02) and tpu_loss != cpu_loss
+    # 512 rows: whole batches (a padded core's evaluation loss includes its padding rows, on a TPU only).
+    tpu_loss, cpu_loss, highest_loss = (estimator.evaluate(lambda params: mnist("test", 512))["loss"]
+                                        for estimator in (tpu, cpu, highest))
+    assert tpu_loss == pytest.approx(cpu_loss, rel=0.02) and abs(tpu_loss - cpu_loss) > 1e-4 * cpu_loss
+    assert highest_loss == pytest.approx(cpu_loss, rel=1e-5)
+    np.testing.assert_allclose(highest.get_variable_value("dense/kernel"), cpu.get_variable_value("dense/kernel"),
+                               rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="Unknown MXU precision"):
+        make(tmp_path / "bad", precision="double")
 
 
 def test_cross_shard_reductions_and_errors(tmp_path):
