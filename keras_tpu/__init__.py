@@ -26,6 +26,7 @@ from keras_tpu import datasets  # noqa: E402
 from keras_tpu._tpu_model import KerasTPUModel, TPUDistributionStrategy, keras_to_tpu_model  # noqa: E402
 from keras_tpu._strategy import (DeviceAssignment, InputContext, PerReplica, ReduceOp, TPUStrategy,  # noqa: E402
                                 ValueContext)
+from keras_tpu import train  # noqa: E402
 from keras_tpu import estimator  # noqa: E402
 from keras_tpu import callbacks  # noqa: E402
 from keras_tpu._profiling import TPUProfile, profile  # noqa: E402
@@ -38,7 +39,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ACCELERATOR_TYPES", "AcceleratorSpec", "ClusterSpec", "CoreLayout", "DeviceAssignment", "InputContext",
     "KerasTPUModel", "PerReplica", "ReduceOp", "ValueContext",
-    "TPUClusterResolver", "TPUDistributionStrategy", "TPUStrategy", "Topology", "datasets", "estimator",
+    "TPUClusterResolver", "TPUDistributionStrategy", "TPUStrategy", "Topology", "datasets", "estimator", "train",
     "experimental_connect_to_cluster", "initialize_tpu_system", "shutdown_tpu_system", "keras_to_tpu_model", "mxu", "set_verbosity",
     "TPUProfile", "callbacks", "profile", "load_exported", "WorkerLostError", "ResourceExhaustedError",
 ]

@@ -139,6 +139,16 @@ def check_steps_per_execution(steps_per_execution, where="compile"):
 # -- arrays -----------------------------------------------------------------------------------------
 
 
+def check_minimize_arguments(var_list, grad_loss):
+    """``optimizer.minimize(loss, ...)`` of TensorFlow 1 (``keras_tpu.train``'s optimizers,
+    ``CrossShardOptimizer``): the estimator trains every trainable weight on the spec's loss as it is."""
+    if var_list is not None:
+        raise ValueError("minimize(var_list=...): every trainable variable of model_fn's layers is trained. "
+                         "Freeze layers with layer.trainable = False instead.")
+    if grad_loss is not None:
+        raise ValueError("minimize(grad_loss=...) is not supported: scale the loss in model_fn instead.")
+
+
 def _is_array(value):
     return hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, type)
 

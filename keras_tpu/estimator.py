@@ -268,11 +268,7 @@ class CrossShardOptimizer:
         the spec's ``loss`` (pass the same one) and to count the global step. ``gate_gradients``,
         ``aggregation_method``, ``colocate_gradients_with_ops`` and ``name`` have no effect (graph
         options); ``var_list`` and ``grad_loss`` are refused."""
-        if var_list is not None:
-            raise ValueError("minimize(var_list=...): every trainable variable of model_fn's layers is trained. "
-                             "Freeze layers with layer.trainable = False instead.")
-        if grad_loss is not None:
-            raise ValueError("minimize(grad_loss=...) is not supported: scale the loss in model_fn instead.")
+        validation.check_minimize_arguments(var_list, grad_loss)
         return self
 
     def _refuse(self, method):

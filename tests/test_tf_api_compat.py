@@ -185,6 +185,32 @@ TENSORFLOW = {
         "experimental_run_steps_on_iterator()", "experimental_make_numpy_dataset()"]),
 }
 
+TF1_TRAIN = ("tensorflow/tensorflow v1.15.0 tensorflow/python/training/gradient_descent.py, momentum.py, adam.py, "
+             "adagrad.py, rmsprop.py, optimizer.py (Optimizer), training_util.py (global step) and "
+             "learning_rate_decay.py")
+DECAY = ["learning_rate", "global_step", "decay_steps", "decay_rate", "staircase", "name"]
+TENSORFLOW.update({
+    "GradientDescentOptimizer(...)": (TF1_TRAIN, ["learning_rate", "use_locking", "name"]),
+    "MomentumOptimizer(...)": (TF1_TRAIN, ["learning_rate", "momentum", "use_locking", "name", "use_nesterov"]),
+    "AdamOptimizer(...)": (TF1_TRAIN, ["learning_rate", "beta1", "beta2", "epsilon", "use_locking", "name"]),
+    "AdagradOptimizer(...)": (TF1_TRAIN, ["learning_rate", "initial_accumulator_value", "use_locking", "name"]),
+    "RMSPropOptimizer(...)": (TF1_TRAIN, ["learning_rate", "decay", "momentum", "epsilon", "use_locking", "centered",
+                                          "name"]),
+    "Optimizer": (TF1_TRAIN, ["minimize()", "compute_gradients()", "apply_gradients()", "get_name()", "get_slot()",
+                              "get_slot_names()", "variables()"]),
+    "Optimizer.minimize(...)": (TF1_TRAIN, MINIMIZE),
+    "Optimizer.apply_gradients(...)": (TF1_TRAIN, ["grads_and_vars", "global_step", "name"]),
+    "get_global_step(...)": (TF1_TRAIN, ["graph"]),
+    "get_or_create_global_step(...)": (TF1_TRAIN, ["graph"]),
+    "exponential_decay(...)": (TF1_TRAIN, DECAY),
+    "inverse_time_decay(...)": (TF1_TRAIN, DECAY),
+    "natural_exp_decay(...)": (TF1_TRAIN, DECAY),
+    "polynomial_decay(...)": (TF1_TRAIN, ["learning_rate", "global_step", "decay_steps", "end_learning_rate", "power",
+                                          "cycle", "name"]),
+    "cosine_decay(...)": (TF1_TRAIN, ["learning_rate", "global_step", "decay_steps", "alpha", "name"]),
+    "piecewise_constant(...)": (TF1_TRAIN, ["x", "boundaries", "values", "name"]),
+})
+
 # Where each API lives in keras_tpu (the class or function the table's first column names).
 KERAS_TPU = {
     "keras_to_tpu_model": keras_tpu.keras_to_tpu_model,
@@ -207,6 +233,12 @@ KERAS_TPU = {
     "FinalExporter": tpu_estimator.FinalExporter,
     "TPUStrategy": keras_tpu.TPUStrategy,
     "TPUStrategy.extended": tpu_strategy.TPUExtended,
+    # keras_tpu.train: each optimizer's constructor; "Optimizer" is what the five share (TF 1's base class).
+    **{name: getattr(keras_tpu.train, name) for name in (
+        "GradientDescentOptimizer", "MomentumOptimizer", "AdamOptimizer", "AdagradOptimizer", "RMSPropOptimizer",
+        "get_global_step", "get_or_create_global_step", "exponential_decay", "inverse_time_decay",
+        "natural_exp_decay", "polynomial_decay", "cosine_decay", "piecewise_constant")},
+    "Optimizer": keras_tpu.train.GradientDescentOptimizer,
 }
 
 # Arguments taken through **kwargs (as in TensorFlow's signature); test_kwargs_arguments_work calls them for real.
@@ -306,6 +338,7 @@ def instances(tmp_path_factory):
         "ModeKeys": ModeKeys,
         "TPUStrategy": strategy,
         "TPUStrategy.extended": strategy.extended,
+        "Optimizer": keras_tpu.train.AdamOptimizer(),
     }
 
 
@@ -354,6 +387,12 @@ def refusals(objects, tmp_path):
             "layer.trainable = False", lambda: optimizer.minimize(0.0, var_list=[])),
         ("CrossShardOptimizer.minimize(...)", "grad_loss"): (
             "scale the loss in model_fn", lambda: optimizer.minimize(0.0, grad_loss=1.0)),
+        ("Optimizer", "compute_gradients()"): (
+            "optimizer.minimize(loss)", lambda: objects["Optimizer"].compute_gradients(0.0)),
+        ("Optimizer.minimize(...)", "var_list"): (
+            "layer.trainable = False", lambda: objects["Optimizer"].minimize(0.0, var_list=[])),
+        ("Optimizer.minimize(...)", "grad_loss"): (
+            "scale the loss in model_fn", lambda: objects["Optimizer"].minimize(0.0, grad_loss=1.0)),
         ("TPUStrategy", "make_input_fn_iterator()"): (
             "distribute_datasets_from_function", lambda: strategy.make_input_fn_iterator(lambda context: [])),
         ("TPUStrategy", "experimental_make_numpy_dataset()"): (
