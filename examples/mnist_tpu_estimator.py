@@ -2,8 +2,8 @@
 
 The model, flags and structure follow TensorFlow's TPU MNIST example: a CNN
 (two 5x5 convolutions with max pooling, a 1024-unit dense layer with dropout,
-10 logits) trained by gradient descent with an exponentially decaying
-learning rate through a ``CrossShardOptimizer``, evaluated with an accuracy
+10 logits) trained by TF 1's ``GradientDescentOptimizer`` with an exponentially decaying
+learning rate (``keras_tpu.train``) through a ``CrossShardOptimizer``, evaluated with an accuracy
 ``metric_fn``. The TensorFlow layers become Keras layers; everything else
 is the same workflow.
 
@@ -19,7 +19,7 @@ import argparse
 import keras_tpu  # first: it selects Keras' JAX backend
 import keras
 import numpy as np
-from keras_tpu import estimator as tpu_estimator
+from keras_tpu import estimator as tpu_estimator, train
 
 
 def metric_fn(labels, logits):
@@ -49,10 +49,14 @@ def model_fn(features, labels, mode, params):
     if mode == tpu_estimator.ModeKeys.EVAL:
         return tpu_estimator.TPUEstimatorSpec(mode=mode, loss=loss, eval_metrics=(metric_fn, [labels, logits]))
 
-    learning_rate = keras.optimizers.schedules.ExponentialDecay(
-        params["learning_rate"], decay_steps=100_000, decay_rate=0.96)
-    optimizer = tpu_estimator.CrossShardOptimizer(keras.optimizers.SGD(learning_rate))
-    return tpu_estimator.TPUEstimatorSpec(mode=mode, loss=loss, train_op=optimizer)
+    # TensorFlow's lines, with tf.train -> keras_tpu.train and tf.contrib.tpu -> tpu_estimator.
+    learning_rate = train.exponential_decay(
+        params["learning_rate"], train.get_global_step(), decay_steps=100000, decay_rate=0.96)
+    optimizer = train.GradientDescentOptimizer(learning_rate=learning_rate)
+    if params["use_tpu"]:
+        optimizer = tpu_estimator.CrossShardOptimizer(optimizer)
+    return tpu_estimator.TPUEstimatorSpec(mode=mode, loss=loss,
+                                          train_op=optimizer.minimize(loss, train.get_global_step()))
 
 
 def _data(train):
