@@ -390,13 +390,14 @@ class ReplicatedSteps:
         self._rows_reach_loss[key] = why
         return why
 
-    def predict_function(self, steps_per_execution=1):
-        """``(state, iterator) -> (outputs, state)``, for ``model.predict_function``."""
+    def predict_function(self, steps_per_execution=1, purpose="predict"):
+        """``(state, iterator) -> (outputs, state)``, for ``model.predict_function``. ``purpose`` names the
+        program in the log (the estimator evaluates with a program of this kind: its outputs per row)."""
         self._refuse_stateful_layers()
         if "predict_step" in self.custom:
             return self._state_kept_on_error("predict", CustomSteps(self).function("predict", steps_per_execution))
-        return self._state_kept_on_error(
-            "predict", _Program("predict", self, steps_per_execution, self._device_predict).run_for_outputs)
+        program = _Program("predict", self, steps_per_execution, self._device_predict, purpose=purpose)
+        return self._state_kept_on_error("predict", program.run_for_outputs)
 
     @property
     def global_batch(self):
@@ -987,11 +988,12 @@ class _Program:
     #: weight copies follow the state, replicated.
     _ARGUMENT_SPECS = (REPLICATED, ROWS, ROWS, REPLICATED)
 
-    def __init__(self, mode, builder, steps_per_execution, device_fn):
+    def __init__(self, mode, builder, steps_per_execution, device_fn, purpose=None):
         steps_per_execution = int(steps_per_execution)
         if steps_per_execution < 1:
             raise ValueError(f"steps_per_execution must be a positive integer; got {steps_per_execution}.")
         self.mode = mode
+        self.purpose = purpose or mode  # what the log calls it
         self.builder = builder
         self.layout = builder.layout
         self.stacker = BatchStacker(self.layout.num_cores, steps_per_execution)
@@ -1116,7 +1118,7 @@ class _Program:
         x = keras.utils.unpack_x_y_sample_weight(stacked.data)[0]
         shapes = tree.map_structure(lambda a: a[:, 0], x, none_is_leaf=False)  # one step's rows
         logger.info("Compiled the TPU %s program (global batch %d%s, %d step(s) per call%s) in %.1f s; inputs "
-                    "%s%s.", self.mode, self.stacker.global_batch, padding, stacked.steps,
+                    "%s%s.", self.purpose, self.stacker.global_batch, padding, stacked.steps,
                     ", cores in a loop" if layout == LOOPED else "", time.perf_counter() - started,
                     describe_input_shapes(shapes), "" if footprint is None else f"; {footprint.describe()}")
         self.builder.note_compiled_shape(self.mode, describe_input_shapes(shapes, rows=0))
@@ -1185,7 +1187,7 @@ class _Program:
             return self._kept_copies(jax.block_until_ready(executable(*args))), stacked
         except Exception as error:  # a collective with a worker that is gone
             raise pod.WorkerLostError(
-                f"The TPU {self.mode} step failed because a worker of the pod stopped ({error}). Restart all "
+                f"The TPU {self.purpose} step failed because a worker of the pod stopped ({error}). Restart all "
                 f"workers; training resumes from the last checkpoint.") from error
 
     def _time_layout(self, layout, result, started, steps, compiled):
@@ -1203,8 +1205,9 @@ class _Program:
             return
         best = self._trial.best
         if best[LOOPED] != float("inf"):  # else too short to time (see LayoutTrial): merged, nothing to report
-            logger.info("The TPU %s program runs its cores %s: %.0f ms per step looped, %.0f ms merged.", self.mode,
-                        "in a loop" if chosen == LOOPED else "as one batch", 1e3 * best[LOOPED], 1e3 * best[MERGED])
+            logger.info("The TPU %s program runs its cores %s: %.0f ms per step looped, %.0f ms merged.",
+                        self.purpose, "in a loop" if chosen == LOOPED else "as one batch", 1e3 * best[LOOPED],
+                        1e3 * best[MERGED])
         self._cores_layout, self._trial = chosen, None
 
     def _kept_copies(self, result):

@@ -1536,7 +1536,8 @@ class TPUEstimator:
                 feed = [(_graph_inputs(_padded(f, rows), _padded(l, rows) if mode == ModeKeys.EVAL else None), None,
                          None) for _, (f, l) in run]
                 if rows not in functions:
-                    functions[rows] = steps_of_model.predict_function(loop_size)
+                    functions[rows] = steps_of_model.predict_function(
+                        loop_size, purpose="evaluation" if mode == ModeKeys.EVAL else "predict")
                 outputs, state = functions[rows](state, iter(feed))
                 parts.append({key: np.asarray(value) for key, value in outputs.items()})
             outputs = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}

@@ -290,9 +290,11 @@ def test_evaluation_tensors_keep_the_batch_and_a_partly_padded_core_is_named(tmp
     with pytest.raises(ValueError, match="'mean_logit' has shape \\(\\), but a core's batch has 8 rows: .*keeps its "
                                          "batch dimension"):
         estimator({"scalar": True}).evaluate(lambda params: mnist("test", 64))
-    with caplog.at_level("WARNING", logger="keras_tpu"):
+    with caplog.at_level("INFO", logger="keras_tpu"):
         estimator().evaluate(lambda params: mnist("test", 64 + 21))  # cores of 8, 8 and 5 real rows
     assert "fills 2 cores' batches of 8 and 5 rows of one more, padded with 3 copies" in caplog.text
+    # The program evaluates (a program of the predict kind, which returns the cores' tensors): the log says so.
+    assert "Compiled the TPU evaluation program" in caplog.text and "TPU predict program" not in caplog.text
 
 
 def test_train_and_evaluate_evaluates_each_new_checkpoint_and_exports(tmp_path, caplog):
