@@ -839,12 +839,14 @@ class ReplicatedSteps:
                 optimizer_variables=optimizer_values)
             return loss / units, (unscaled, y_pred, new_non_trainable)
 
+        # Batch statistics over each core's real rows, as on the CPU: Keras' own where every row of the device
+        # (cores vectorised: the predicate must not vary over the core axis) or of the core (in a loop) is real.
+        every_device_row_counts = jnp.all(mask > 0)
+
         def core_loss(trainable, x, y, loss_weight, rows, core_id, non_trainable=non_trainable,
-                      metrics_values=metrics_values, optimizer_values=optimizer_values, every_row_counts=None):
+                      metrics_values=metrics_values, optimizer_values=optimizer_values,
+                      every_row_counts=every_device_row_counts):
             seeded = self._offset_seeds(non_trainable, core_id, +1)
-            # Batch statistics over the core's real rows, as on the CPU: Keras' own where every row of the device
-            # (vectorised) or of the core (in a loop) is real, the common case.
-            every_row_counts = jnp.all(mask > 0) if every_row_counts is None else every_row_counts
             with _keras_private.batch_statistics_of_rows(model, rows, every_row_counts):
                 loss, (unscaled, y_pred, new_non_trainable, _) = model.compute_loss_and_updates(
                     trainable, seeded, metrics_values, x, y, loss_weight, training=True,
