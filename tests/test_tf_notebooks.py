@@ -1436,3 +1436,224 @@ def test_classification_iris_data_with_keras(colab):
     np.testing.assert_allclose(tpu_history.history["loss"], cpu_history.history["loss"], rtol=1e-5)
     for tpu_weight, cpu_weight in zip(tpu_run.get_weights(), cpu_run.get_weights()):
         np.testing.assert_allclose(tpu_weight, cpu_weight, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_classification_iris_data_with_keras_to_tpu_model(colab):
+    """tensorflow/tpu ``tools/colab/classification_iris_data_with_keras.ipynb`` at commit 913cf31 (2019-01-25), its
+    ``keras_to_tpu_model`` version (TensorFlow 1.13, before commit 39e2239 moved it to ``TPUStrategy``): the same
+    Dense Iris classifier compiled on the CPU, converted with ``keras_to_tpu_model``, trained with ``fit(...,
+    steps_per_epoch=20, epochs=50)``, evaluated with ``steps=50``, its weights saved to ``.h5``, and the eight
+    flowers predicted on the TPU and by the CPU model that ``sync_to_cpu()`` returns.
+
+    Changes:
+
+    * data and pandas, as in :func:`test_classification_iris_data_with_keras`: the CSV files come from
+      :func:`write_iris_csv_files`; ``pd.read_csv`` -> ``np.loadtxt``, ``train.pop(y_name)`` -> the fifth column
+      as int32, so ``fit``/``evaluate`` get NumPy arrays instead of the DataFrame and Series; cell 13's
+      ``pd.DataFrame`` -> the columns stacked in ``COLUMNS_NAME``'s order (float64, as the DataFrame's values);
+    * cell 2: ``tensorflow``/``from tensorflow import keras`` -> ``keras``, ``keras_tpu``; ``pandas`` is not
+      imported (not installed here);
+    * cell 4: ``with tf.Session(TF_MASTER) as session: pprint.pprint(session.list_devices())`` -> printing the
+      ``Topology`` that ``keras_tpu.initialize_tpu_system(keras_tpu.TPUClusterResolver(TF_MASTER))`` returns;
+    * cell 7: ``Dense(10, input_shape=(4,), ...)`` -> ``keras.Input((4,))`` then ``Dense(10, ...)``;
+      ``tf.nn.relu``/``tf.nn.softmax`` -> ``keras.activations``;
+    * cell 8: ``tf.train.AdagradOptimizer(learning_rate=0.1)`` -> ``keras.optimizers.Adagrad(learning_rate=0.1)``;
+      cell 9: ``tf.contrib.tpu.keras_to_tpu_model``/``TPUDistributionStrategy`` and
+      ``tf.contrib.cluster_resolver.TPUClusterResolver`` -> ``keras_tpu.``;
+    * not shortened: 50 epochs of 20 steps and 50 evaluation steps, as the notebook.
+    """
+    # ---- cell 2 ----
+    import json
+    import os
+    import pprint
+    import keras
+    import keras_tpu
+    import time
+    import numpy as np
+
+    # ---- cell 3 ----
+    print(keras.__version__)
+
+    # ---- cell 4 ----
+    use_tpu = True #@param {type:"boolean"}
+
+    if use_tpu:
+        assert 'COLAB_TPU_ADDR' in os.environ, 'Missing TPU; did you request a TPU in Notebook Settings?'
+
+    if 'COLAB_TPU_ADDR' in os.environ:
+      TF_MASTER = 'grpc://{}'.format(os.environ['COLAB_TPU_ADDR'])
+    else:
+      TF_MASTER=''
+
+    topology = keras_tpu.initialize_tpu_system(keras_tpu.TPUClusterResolver(TF_MASTER))  # tf.Session(TF_MASTER)
+    print ('List of devices:')
+    print(topology.describe())  # pprint.pprint(session.list_devices())
+
+    # ---- cell 5 ----
+    # Model specific parameters
+
+    # TPU address
+    tpu_address = TF_MASTER
+
+    # Number of epochs
+    epochs = 50
+
+    # Number of steps_per_epoch
+    steps_per_epoch = 20
+
+    # NOTE: Total number of training steps = Number of epochs * Number of steps_per_epochs
+
+    # Total number of evaluation steps. If '0', evaluation after training is skipped
+    eval_steps = 50
+
+    # ---- cell 6 ----
+    TRAIN_URL = "http://download.tensorflow.org/data/iris_training.csv"
+    TEST_URL = "http://download.tensorflow.org/data/iris_test.csv"
+
+    CSV_COLUMN_NAMES = ['SepalLength', 'SepalWidth',
+                        'PetalLength', 'PetalWidth', 'Species']
+    SPECIES = ['Setosa', 'Versicolor', 'Virginica']
+
+    PREDICTION_INPUT_DATA = {
+        'SepalLength': [6.9, 5.1, 5.9, 6.0, 5.5, 6.2, 5.5, 6.3],
+        'SepalWidth': [3.1, 3.3, 3.0, 3.4, 2.5, 2.9, 4.2, 2.8],
+        'PetalLength': [5.4, 1.7, 4.2, 4.5, 4.0, 4.3, 1.4, 5.1],
+        'PetalWidth': [2.1, 0.5, 1.5, 1.6, 1.3, 1.3, 0.2, 1.5],
+    }
+
+    PREDICTION_OUTPUT_DATA = ['Virginica', 'Setosa', 'Versicolor', 'Versicolor', 'Versicolor', 'Versicolor', 'Setosa', 'Virginica']
+
+    def maybe_download():
+        train_path, test_path = write_iris_csv_files(os.getcwd())  # tf.keras.utils.get_file(TRAIN_URL, TEST_URL)
+
+        return train_path, test_path
+
+    def load_data(y_name='Species'):
+        """Returns the iris dataset as (train_x, train_y), (test_x, test_y)."""
+        train_path, test_path = maybe_download()
+
+        train = np.loadtxt(train_path, delimiter=',', skiprows=1, dtype=np.float32)  # pd.read_csv
+        train_x, train_y = train[:, :4], train[:, CSV_COLUMN_NAMES.index(y_name)].astype(np.int32)
+
+        test = np.loadtxt(test_path, delimiter=',', skiprows=1, dtype=np.float32)  # pd.read_csv
+        test_x, test_y = test[:, :4], test[:, CSV_COLUMN_NAMES.index(y_name)].astype(np.int32)
+
+        return (train_x, train_y), (test_x, test_y)
+
+    # ---- cell 7 ----
+    def get_model():
+      return keras.Sequential([
+        keras.Input(shape=(4,)),
+        keras.layers.Dense(10, activation=keras.activations.relu, name = "Dense_1"),
+        keras.layers.Dense(10, activation=keras.activations.relu, name = "Dense_2"),
+        keras.layers.Dense(3, activation=None, name = "logits"),
+        keras.layers.Dense(3, activation=keras.activations.softmax, name = "softmax")
+      ])
+
+    # ---- cell 8 ----
+    dnn_model = get_model()
+    dnn_model.compile(optimizer=keras.optimizers.Adagrad(learning_rate=0.1),
+                  loss='sparse_categorical_crossentropy',
+                  metrics=['sparse_categorical_crossentropy'])
+
+    dnn_model.summary()
+
+    # ---- cell 9 ----
+    tpu_model = keras_tpu.keras_to_tpu_model(
+        dnn_model,
+        strategy=keras_tpu.TPUDistributionStrategy(
+            keras_tpu.TPUClusterResolver(TF_MASTER)))
+
+    tpu_model.summary()
+
+    # ---- cell 10 ----
+    # Fetch the data
+    (train_x, train_y), (test_x, test_y) = load_data()
+
+    # Train the model
+    history = tpu_model.fit(
+      train_x, train_y,
+      steps_per_epoch = steps_per_epoch,
+      epochs=epochs,
+    )
+
+    # ---- cell 11 ----
+    test_scores = tpu_model.evaluate(test_x, test_y,
+        steps = eval_steps)
+
+    # ---- cell 12 ----
+    tpu_model.save_weights('./DNN_TPU_1024.h5', overwrite=True)
+
+    # ---- cell 13 ----
+    COLUMNS_NAME=['SepalLength', 'SepalWidth', 'PetalLength', 'PetalWidth']
+    data = np.stack([PREDICTION_INPUT_DATA[name] for name in COLUMNS_NAME], axis=1)  # pd.DataFrame
+    print(data)
+
+    # ---- cell 14 ----
+    predictions = tpu_model.predict(data)
+    template = ('\nPrediction is "{}" ({:.1f}%), expected "{}"')
+    for pred_dict, expec in zip(predictions, PREDICTION_OUTPUT_DATA):
+      class_index = np.argmax(pred_dict)
+      class_probability = np.max(pred_dict)
+      print(template.format(SPECIES[class_index], 100*class_probability, expec))
+
+    # ---- cell 15 ----
+    cpu_model = tpu_model.sync_to_cpu()
+    cpu_predictions = cpu_model.predict(data)
+    template = ('\nPrediction is "{}" ({:.1f}%), expected "{}"')
+    for pred_dict, expec in zip(cpu_predictions, PREDICTION_OUTPUT_DATA):
+      class_index = np.argmax(pred_dict)
+      class_probability = np.max(pred_dict)
+      print(template.format(SPECIES[class_index], 100*class_probability, expec))
+
+    # ---- what the notebook's user checks ----
+    assert topology.num_cores == 8
+    # 50 epochs of 20 steps: Keras splits the 120 rows into 20 batches of 6 to make each epoch's steps (on the
+    # TPU: 8 rows, 2 of them padding, masked out).
+    assert int(tpu_model.optimizer.iterations.value) == epochs * steps_per_epoch
+    # The progress bar: the loss (and the same number as the metric) falls from about log(3) = 1.1.
+    losses = history.history["loss"]
+    np.testing.assert_allclose(history.history["sparse_categorical_crossentropy"], losses, rtol=1e-5)
+    assert len(losses) == epochs and np.mean(losses[-5:]) < 0.3 * np.mean(losses[:5]), losses
+    # cell 11: Keras makes 50 steps of 30 rows batches of 1 and stops after the 30th, warning that the input ran
+    # out of data (plain Keras does the same): every test flower is scored once, the loss as the CPU's.
+    test_loss, test_crossentropy = test_scores
+    assert test_loss == pytest.approx(test_crossentropy, rel=1e-5) and test_loss < 0.3, test_scores
+    cpu_loss, _ = cpu_model.evaluate(test_x, test_y, verbose=0)
+    assert test_loss == pytest.approx(cpu_loss, abs=0.01)
+    # cells 14 and 15: the eight flowers get the species the notebook expects (the last, 6.3/2.8/5.1/1.5, lies
+    # between versicolor and virginica: 55% versicolor here), from the TPU and from the CPU model that
+    # sync_to_cpu() returns, which is the compiled Keras model holding the TPU's weights.
+    expected = [SPECIES.index(name) for name in PREDICTION_OUTPUT_DATA]
+    assert predictions.shape == cpu_predictions.shape == (8, 3)
+    np.testing.assert_allclose(predictions.sum(axis=1), 1, rtol=1e-5)
+    assert np.sum(predictions.argmax(axis=1) == expected) >= 7, predictions
+    assert cpu_model is dnn_model
+    for tpu_weight, cpu_weight in zip(tpu_model.get_weights(), cpu_model.get_weights()):
+        np.testing.assert_array_equal(tpu_weight, cpu_weight)
+    np.testing.assert_allclose(cpu_predictions, predictions, atol=0.05)  # float32 against the MXU's bfloat16
+    # The .h5 of cell 12 loads into a new CPU model, which predicts as the synced one.
+    loaded = get_model()
+    loaded.load_weights('./DNN_TPU_1024.h5')
+    np.testing.assert_allclose(loaded.predict(data, verbose=0), cpu_predictions, rtol=1e-6)
+    # At precision "highest" the TPU model trains and evaluates as plain Keras (batches of 6 padded to 8 rows):
+    # the same per-epoch losses, weights and evaluation (5 of the 50 epochs, to stay cheap).
+    initial_weights = get_model().get_weights()
+    runs = []
+    for precision in ("highest", None):
+        run = get_model()
+        run.set_weights(initial_weights)
+        run.compile(optimizer=keras.optimizers.Adagrad(learning_rate=0.1),
+                    loss='sparse_categorical_crossentropy', metrics=['sparse_categorical_crossentropy'])
+        if precision is not None:
+            run = keras_tpu.keras_to_tpu_model(run, strategy=keras_tpu.TPUDistributionStrategy(
+                keras_tpu.TPUClusterResolver(TF_MASTER), precision=precision))
+        keras.utils.set_random_seed(2)
+        fitted = run.fit(train_x, train_y, steps_per_epoch=steps_per_epoch, epochs=5, verbose=0)
+        runs.append((run, fitted.history["loss"], run.evaluate(test_x, test_y, steps=eval_steps, verbose=0)))
+    (tpu_run, tpu_losses, tpu_scores), (cpu_run, cpu_losses, cpu_scores) = runs
+    np.testing.assert_allclose(tpu_losses, cpu_losses, rtol=1e-5)
+    np.testing.assert_allclose(tpu_scores, cpu_scores, rtol=1e-5)
+    for tpu_weight, cpu_weight in zip(tpu_run.get_weights(), cpu_run.get_weights()):
+        np.testing.assert_allclose(tpu_weight, cpu_weight, rtol=1e-4, atol=1e-5)
