@@ -1657,3 +1657,354 @@ def test_classification_iris_data_with_keras_to_tpu_model(colab):
     np.testing.assert_allclose(tpu_scores, cpu_scores, rtol=1e-5)
     for tpu_weight, cpu_weight in zip(tpu_run.get_weights(), cpu_run.get_weights()):
         np.testing.assert_allclose(tpu_weight, cpu_weight, rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 7. Iris with TPUEstimator
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_classification_iris_data_with_tpuestimator(colab, caplog):
+    """tensorflow/tpu ``tools/colab/classification_iris_data_with_tpuestimator.ipynb`` at commit 913cf31
+    (2019-01-25, its only version): a ``model_fn`` of two Dense layers of 10 over the four Iris measurements (as
+    feature columns), trained 1,000 steps by ``TPUEstimator`` (``RunConfig``/``TPUConfig(500)``, global batch 128,
+    a ``CrossShardOptimizer`` wrapping Adagrad, ``minimize``), evaluated 4 steps with a ``metric_fn``'s accuracy
+    and used to predict three flowers (dicts of ``class_ids``, ``probabilities``, ``logits``).
+
+    Changes:
+
+    * data: ``tf.keras.utils.get_file`` of TensorFlow's ``iris_training.csv``/``iris_test.csv`` -> the same files
+      written into the working directory by :func:`write_iris_csv_files`; pandas (not installed here) -> NumPy:
+      ``pd.read_csv(...)`` -> ``np.loadtxt(path, delimiter=',', skiprows=1, dtype=np.float32)``, the DataFrame of
+      features -> a dict of its columns (what ``dict(features)`` and ``.keys()`` give), ``pop(y_name)`` -> the
+      fifth column as int32;
+    * cell 2: ``tensorflow`` -> ``keras``, ``keras_tpu``, ``keras_tpu.estimator``, ``itertools``, ``numpy``;
+      ``pandas`` is not imported;
+    * cell 3: ``bucket`` is the test's directory instead of a GCS bucket (``MODEL_DIR`` has no ``gs://``); Colab
+      authentication and uploading the credentials to the TPU are left out; ``with tf.Session(TF_MASTER) as
+      session: pprint.pprint(session.list_devices())`` -> printing the ``Topology`` that
+      ``keras_tpu.initialize_tpu_system`` returns;
+    * cell 5, ``tf.data`` -> generators: ``from_tensor_slices((dict(features), labels)).shuffle(1000).repeat()``
+      + ``batch_and_drop_remainder(batch_size)`` -> a generator of ``batch_size``-row batches of an endless
+      stream of shuffled epochs (the 1,000-row buffer holds all 120 rows: a full shuffle per epoch), each a dict
+      of columns and the labels; ``from_tensor_slices(features).batch(batch_size)`` -> a generator of
+      ``batch_size``-row slices of each column, as float32 (as ``from_tensor_slices`` converts the lists);
+      TPUEstimator takes one ``params["batch_size"]`` batch per core per step, as TensorFlow's per-host input;
+    * cell 6: ``tf.feature_column.input_layer(features, params['feature_columns'])`` with
+      ``numeric_column(key)``s -> the columns stacked in the order ``input_layer`` puts them (sorted by name);
+      ``tf.layers.dense`` -> ``keras.layers.Dense``; ``tf.nn.relu``/``tf.nn.softmax``/``tf.argmax`` ->
+      ``keras.activations``/``keras.ops``; ``predicted_classes[:, tf.newaxis]`` -> ``keras.ops.expand_dims(...,
+      1)``; ``tf.losses.sparse_softmax_cross_entropy`` -> ``keras.losses.sparse_categorical_crossentropy(...,
+      from_logits=True)`` averaged; ``tf.metrics.accuracy`` -> ``keras.metrics.Accuracy``;
+      ``tf.train.AdagradOptimizer(learning_rate=0.1)`` -> ``keras.optimizers.Adagrad(learning_rate=0.1)`` (both
+      start the accumulators at 0.1); ``tf.train.get_global_step()`` -> ``None`` (the estimator counts the global
+      step); ``tf.estimator.ModeKeys`` and ``tf.contrib.tpu.X`` -> ``keras_tpu.estimator.X``;
+    * cell 7: ``tf.feature_column.numeric_column(key=key)`` -> ``key`` (see cell 6);
+      ``tf.contrib.cluster_resolver.TPUClusterResolver`` -> ``keras_tpu.TPUClusterResolver``;
+      ``session_config=tf.ConfigProto(allow_soft_placement=True, log_device_placement=True)`` -> ``None`` (no
+      session here; ``RunConfig`` accepts and ignores it);
+    * not shortened: 1,000 training steps in loops of 500, 4 evaluation steps, batches of 128.
+
+    With ``use_tpu = False`` (the notebook's checkbox) the port fails: ``model_fn`` calls ``minimize`` on the bare
+    optimizer, which Keras optimizers lack (``/tmp/nb_tree_repro_iris_tpuestimator_cpu.py``); the comparison with
+    the CPU below keeps the ``CrossShardOptimizer`` and passes ``use_tpu=False`` to the estimator.
+    """
+    # ---- cell 2 ----
+    import itertools
+    import json
+    import os
+    import pprint
+    import keras
+    import keras_tpu
+    from keras_tpu import estimator as tpu_estimator  # tf.contrib.tpu's estimator names
+    import numpy as np
+    import time
+
+    # ---- cell 3 ----
+    use_tpu = True #@param {type:"boolean"}
+    bucket = str(colab) # '' #@param {type:"string"}
+
+    assert bucket, 'Must specify an existing GCS bucket name'
+    print('Using bucket: {}'.format(bucket))
+
+    if use_tpu:
+        assert 'COLAB_TPU_ADDR' in os.environ, 'Missing TPU; did you request a TPU in Notebook Settings?'
+
+    MODEL_DIR = '{}/{}'.format(bucket, time.strftime('tpuestimator-dnn/%Y-%m-%d-%H-%M-%S'))
+    print('Using model dir: {}'.format(MODEL_DIR))
+
+    if 'COLAB_TPU_ADDR' in os.environ:
+      TF_MASTER = 'grpc://{}'.format(os.environ['COLAB_TPU_ADDR'])
+    else:
+      TF_MASTER=''
+
+    topology = keras_tpu.initialize_tpu_system(keras_tpu.TPUClusterResolver(TF_MASTER))  # tf.Session(TF_MASTER)
+    print ('List of devices:')
+    print(topology.describe())  # pprint.pprint(session.list_devices())
+
+    # ---- cell 4 ----
+    # Model specific parameters
+
+    # TPU address
+    tpu_address = TF_MASTER
+
+    # Estimators model_dir
+    model_dir = MODEL_DIR
+
+    # This is the global batch size, not the per-shard batch.
+    batch_size = 128
+
+    # Total number of training steps.
+    train_steps = 1000
+
+    # Total number of evaluation steps. If '0', evaluation after training is skipped
+    eval_steps = 4
+
+    # Number of iterations per TPU training loop
+    iterations = 500
+
+    # ---- cell 5 ----
+    TRAIN_URL = "http://download.tensorflow.org/data/iris_training.csv"
+    TEST_URL = "http://download.tensorflow.org/data/iris_test.csv"
+
+    CSV_COLUMN_NAMES = ['SepalLength', 'SepalWidth',
+                        'PetalLength', 'PetalWidth', 'Species']
+    SPECIES = ['Setosa', 'Versicolor', 'Virginica']
+
+    PREDICTION_INPUT_DATA = {
+        'SepalLength': [6.9, 5.1, 5.9],
+        'SepalWidth': [3.1, 3.3, 3.0],
+        'PetalLength': [5.4, 1.7, 4.2],
+        'PetalWidth': [2.1, 0.5, 1.5],
+    }
+
+    PREDICTION_OUTPUT_DATA = ['Virginica', 'Setosa', 'Versicolor']
+
+    def maybe_download():
+        train_path, test_path = write_iris_csv_files(os.getcwd())  # tf.keras.utils.get_file(TRAIN_URL, TEST_URL)
+
+        return train_path, test_path
+
+    def load_data(y_name='Species'):
+        """Returns the iris dataset as (train_x, train_y), (test_x, test_y)."""
+        train_path, test_path = maybe_download()
+
+        train = np.loadtxt(train_path, delimiter=',', skiprows=1, dtype=np.float32)  # pd.read_csv
+        train_x = {name: train[:, i] for i, name in enumerate(CSV_COLUMN_NAMES) if name != y_name}
+        train_y = train[:, CSV_COLUMN_NAMES.index(y_name)].astype(np.int32)
+
+        test = np.loadtxt(test_path, delimiter=',', skiprows=1, dtype=np.float32)  # pd.read_csv
+        test_x = {name: test[:, i] for i, name in enumerate(CSV_COLUMN_NAMES) if name != y_name}
+        test_y = test[:, CSV_COLUMN_NAMES.index(y_name)].astype(np.int32)
+
+        return (train_x, train_y), (test_x, test_y)
+
+
+    def train_input_fn(features, labels, batch_size):
+        """An input function for training"""
+
+        # Convert the inputs to a Dataset.
+        features = dict(features)
+
+        # Shuffle, repeat, and batch the examples.
+        order = itertools.chain.from_iterable(np.random.permutation(len(labels)) for _ in itertools.count())
+
+        while True:  # batch_and_drop_remainder(batch_size)
+            index = np.fromiter(itertools.islice(order, batch_size), dtype=np.int64, count=batch_size)
+            yield {key: value[index] for key, value in features.items()}, labels[index]
+
+
+    def eval_input_fn(features, labels, batch_size):
+        """An input function for evaluation"""
+        features=dict(features)
+
+        # Convert the inputs to a Dataset: shuffle(1000), repeat()
+        order = itertools.chain.from_iterable(np.random.permutation(len(labels)) for _ in itertools.count())
+
+        while True:  # batch_and_drop_remainder(batch_size)
+            index = np.fromiter(itertools.islice(order, batch_size), dtype=np.int64, count=batch_size)
+            yield {key: value[index] for key, value in features.items()}, labels[index]
+
+
+    def predict_input_fn(features, batch_size):
+        """An input function for prediction"""
+
+        features = {key: np.asarray(value, np.float32) for key, value in features.items()}  # from_tensor_slices
+        rows = len(next(iter(features.values())))
+        for start in range(0, rows, batch_size):  # batch(batch_size)
+            yield {key: value[start:start + batch_size] for key, value in features.items()}
+
+    # ---- cell 6 ----
+    def metric_fn(labels, logits):
+        """Function to return metrics for evaluation"""
+
+        predicted_classes = keras.ops.argmax(logits, 1)
+        accuracy = keras.metrics.Accuracy(name='acc_op')  # tf.metrics.accuracy
+        accuracy.update_state(labels, predicted_classes)
+        return {'accuracy': accuracy}
+
+
+    def my_model(features, labels, mode, params):
+        """DNN with three hidden layers, and dropout of 0.1 probability."""
+
+        # Create three fully connected layers each layer having a dropout
+        # probability of 0.1.
+        net = keras.ops.stack([keras.ops.cast(features[key], "float32")  # tf.feature_column.input_layer
+                               for key in sorted(params['feature_columns'])], axis=1)
+        for units in params['hidden_units']:
+            net = keras.layers.Dense(units=units, activation=keras.activations.relu)(net)
+
+        # Compute logits (1 per class).
+        logits = keras.layers.Dense(params['n_classes'], activation=None)(net)
+
+        # Compute predictions.
+        predicted_classes = keras.ops.argmax(logits, 1)
+        if mode == tpu_estimator.ModeKeys.PREDICT:
+            predictions = {
+                'class_ids': keras.ops.expand_dims(predicted_classes, 1),
+                'probabilities': keras.ops.softmax(logits),
+                'logits': logits,
+            }
+            return tpu_estimator.TPUEstimatorSpec(mode, predictions=predictions)
+
+        # Compute loss.
+        loss = keras.ops.mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+
+        if mode == tpu_estimator.ModeKeys.EVAL:
+            return tpu_estimator.TPUEstimatorSpec(
+                mode=mode, loss=loss, eval_metrics=(metric_fn, [labels, logits]))
+
+        # Create training op.
+        if mode == tpu_estimator.ModeKeys.TRAIN:
+            optimizer = keras.optimizers.Adagrad(learning_rate=0.1)
+            if use_tpu:
+                optimizer = tpu_estimator.CrossShardOptimizer(optimizer)
+            train_op = optimizer.minimize(loss, global_step=None)  # tf.train.get_global_step()
+            return tpu_estimator.TPUEstimatorSpec(mode, loss=loss, train_op=train_op)
+
+    # ---- cell 7 ----
+    printed = []  # what main() computes and prints, for the checks below
+
+    def main():
+        # Fetch the data
+        (train_x, train_y), (test_x, test_y) = load_data()
+
+        # Feature columns describe how to use the input.
+        my_feature_columns = []
+        for key in train_x.keys():
+            my_feature_columns.append(key)  # tf.feature_column.numeric_column(key=key)
+
+        # Resolve TPU cluster and runconfig for this.
+        tpu_cluster_resolver = keras_tpu.TPUClusterResolver(
+                tpu_address)
+
+        run_config = tpu_estimator.RunConfig(
+                model_dir=model_dir,
+                cluster=tpu_cluster_resolver,
+                session_config=None,  # tf.ConfigProto(allow_soft_placement=True, log_device_placement=True)
+                tpu_config=tpu_estimator.TPUConfig(iterations),
+                )
+
+        # Build 2 hidden layer DNN with 10, 10 units respectively.
+        classifier = tpu_estimator.TPUEstimator(
+            model_fn=my_model,
+            use_tpu=use_tpu,
+            train_batch_size=batch_size,
+            eval_batch_size=batch_size,
+            predict_batch_size=batch_size,
+            config=run_config,
+            params={
+                'feature_columns': my_feature_columns,
+                # Two hidden layers of 10 nodes each.
+                'hidden_units': [10, 10],
+                # The model must choose between 3 classes.
+                'n_classes': 3,
+                'use_tpu': use_tpu,
+            })
+
+        # Train the Model.
+        classifier.train(
+                input_fn = lambda params: train_input_fn(
+                    train_x, train_y, params["batch_size"]),
+                max_steps=train_steps)
+
+        # Evaluate the model.
+        eval_result = classifier.evaluate(
+            input_fn = lambda params: eval_input_fn(
+                test_x, test_y, params["batch_size"]),
+            steps=eval_steps)
+
+        print('\nTest set accuracy: {accuracy:0.3f}\n'.format(**eval_result))
+
+        # Generate predictions from the model
+        predictions = classifier.predict(
+            input_fn = lambda params: predict_input_fn(
+                PREDICTION_INPUT_DATA, params["batch_size"]))
+
+        for pred_dict, expec in zip(predictions, PREDICTION_OUTPUT_DATA):
+            template = ('\nPrediction is "{}" ({:.1f}%), expected "{}"')
+
+            class_id = pred_dict['class_ids'][0]
+            probability = pred_dict['probabilities'][class_id]
+
+            print(template.format(SPECIES[class_id],
+                                  100 * probability, expec))
+            printed.append((SPECIES[class_id], probability, expec, pred_dict))
+
+        printed.append((classifier, eval_result, train_x, train_y, test_x, test_y))
+
+    # ---- cell 8 ----
+    caplog.set_level(logging.INFO)  # the estimator's "loss = ..., step = ..." lines
+    main()
+
+    # ---- what the notebook's user checks ----
+    *lines, (classifier, eval_result, train_x, train_y, test_x, test_y) = printed
+    assert topology.num_cores == 8 and len(train_y) == 120 and len(test_y) == 30
+    # Training ran 1,000 steps in two loops of 500; the loss the estimator logs after each loop (what the user
+    # watches) is the mean over the loop's steps, low after the first 500 (log(3) = 1.1 is a guess) and lower after
+    # the second.
+    logged = [(float(m.group(1)), int(m.group(2)))
+              for m in re.finditer(r"loss = ([0-9.]+), step = (\d+)", caplog.text)]
+    assert [step for _, step in logged] == [500, 1000], logged
+    assert logged[1][0] < logged[0][0] < 0.4, logged
+    assert re.search(r"ckpt-0*1000\.npz$", classifier.latest_checkpoint())
+    # TensorFlow's names for model_fn's variables (three Dense layers) and the optimizer's accumulators.
+    names = classifier.get_variable_names()
+    assert {'dense/kernel', 'dense_1/kernel', 'dense_2/kernel', 'dense_2/bias', 'global_step',
+            'adagrad/dense/kernel/accumulator'} <= set(names), names
+    assert classifier.get_variable_value('dense/kernel').shape == (4, 10)
+    assert classifier.get_variable_value('dense_2/kernel').shape == (10, 3)
+    # "Test set accuracy": 4 steps of 128 shuffled test flowers (the 30, repeated).
+    assert eval_result['global_step'] == 1000
+    assert eval_result['accuracy'] > 0.9 and eval_result['loss'] < 0.3, eval_result
+    # The three flowers: one dict per flower, each of the expected species, confidently.
+    assert len(lines) == 3
+    for species, probability, expected, pred_dict in lines:
+        assert species == expected and probability > 0.8, lines
+        assert pred_dict['class_ids'].shape == (1,) and pred_dict['logits'].shape == (3,)
+        np.testing.assert_allclose(pred_dict['probabilities'].sum(), 1, rtol=1e-5)
+    # At precision "highest" the TPU trains and evaluates as the estimator on the CPU (use_tpu=False, the same
+    # global batches of 128): 20 steps in loops of 10, from the same initial weights and the same batches.
+    results = []
+    for on_tpu in (True, False):
+        estimator_run = tpu_estimator.TPUEstimator(
+            model_fn=my_model, use_tpu=on_tpu, train_batch_size=batch_size, eval_batch_size=batch_size,
+            config=tpu_estimator.RunConfig(model_dir=os.path.join(bucket, f"compare-{on_tpu}"),
+                                           cluster=keras_tpu.TPUClusterResolver(tpu_address),
+                                           tpu_config=tpu_estimator.TPUConfig(10)),
+            params={'feature_columns': list(train_x.keys()), 'hidden_units': [10, 10], 'n_classes': 3},
+            precision="highest")
+        keras.utils.set_random_seed(3)
+        estimator_run.train(input_fn=lambda params: train_input_fn(train_x, train_y, params["batch_size"]),
+                            max_steps=20)
+        evaluated = estimator_run.evaluate(
+            input_fn=lambda params: eval_input_fn(test_x, test_y, params["batch_size"]), steps=eval_steps)
+        results.append((evaluated, [estimator_run.get_variable_value(name)
+                                    for name in ('dense/kernel', 'dense_1/kernel', 'dense_2/kernel', 'dense_2/bias')]))
+    (tpu_eval, tpu_weights), (cpu_eval, cpu_weights) = results
+    assert tpu_eval['global_step'] == cpu_eval['global_step'] == 20
+    assert tpu_eval['loss'] == pytest.approx(cpu_eval['loss'], rel=1e-5)
+    assert tpu_eval['accuracy'] == cpu_eval['accuracy']
+    for tpu_weight, cpu_weight in zip(tpu_weights, cpu_weights):
+        np.testing.assert_allclose(tpu_weight, cpu_weight, rtol=1e-4, atol=1e-5)
