@@ -2008,3 +2008,139 @@ def test_classification_iris_data_with_tpuestimator(colab, caplog):
     assert tpu_eval['accuracy'] == cpu_eval['accuracy']
     for tpu_weight, cpu_weight in zip(tpu_weights, cpu_weights):
         np.testing.assert_allclose(tpu_weight, cpu_weight, rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 8. Fashion-MNIST with TPUStrategy and Keras (MNIST standing in)
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_fashion_mnist(colab):
+    """tensorflow/tpu ``tools/colab/fashion_mnist.ipynb`` at commit e3ec21c (2020-06-23, its newest): a
+    convolutional classifier (three BatchNormalization + Conv2D 5x5 (64, 128, 256) + max-pooling + dropout blocks,
+    Dense 256, softmax) built and compiled under ``TPUStrategy``, trained with ``fit(x, y, epochs=17,
+    steps_per_epoch=60, validation_data=..., validation_freq=17)``, its weights saved to ``.h5`` and loaded into a
+    CPU model that predicts the first 16 test images.
+
+    Changes:
+
+    * data: Fashion-MNIST is not available here: ``tf.keras.datasets.fashion_mnist.load_data()`` ->
+      ``keras_tpu.datasets.mnist.load_data()`` (MNIST's digits, same shapes and dtypes: 28x28 uint8 images, labels
+      0-9; bundled: 8,000 training and 2,000 test digits); ``LABEL_NAMES`` stay Fashion-MNIST's;
+    * cell 2: ``tensorflow`` -> ``keras``, ``keras_tpu``; the TensorFlow version check is left out (``distutils``
+      is gone from Python 3.12);
+    * cell 3: ``tf.keras`` -> ``keras``; ``BatchNormalization(input_shape=x_train.shape[1:])`` -> ``keras.Input(
+      x_train.shape[1:])`` then ``BatchNormalization()`` (Keras 3 layers take no ``input_shape``; the notebook
+      gives it to all three BatchNormalization layers, where TensorFlow ignored it after the first);
+    * cell 4: ``tf.distribute.cluster_resolver.TPUClusterResolver``, ``tf.config.experimental_connect_to_cluster``,
+      ``tf.tpu.experimental.initialize_tpu_system``, ``tf.distribute.experimental.TPUStrategy`` -> ``keras_tpu.``;
+      ``tf.config.list_logical_devices('TPU')`` -> the ``Topology`` that ``initialize_tpu_system`` returns;
+    * cell 4, shortened (not mechanical): 2 epochs of 6 steps instead of 17 of 60, validating after the last
+      (``validation_freq=2``), on the first 384 training and 256 test digits. With no ``batch_size``, Keras (as
+      TensorFlow 2 did) batches ``rows / steps_per_epoch`` rows per step: 60,000 / 60 = 1,000 images (125 per core)
+      in the notebook, 384 / 6 = 64 (8 per core) here. A step of 1,000 images of this model takes about 6 s on two
+      CPU cores, and the 12 steps here, which show it learning, would take over a minute;
+    * cell 5: ``from matplotlib import pyplot`` and ``plot_predictions`` (a plot) are left out; its call is
+      indented inside its own body in the notebook, so the notebook never plots. The predictions it would plot,
+      ``cpu_model.predict(x_test[:16])``, are made for the checks.
+    """
+    # ---- cell 2 ----
+    import keras
+    import keras_tpu
+    import numpy as np
+    import os
+
+    (x_train, y_train), (x_test, y_test) = keras_tpu.datasets.mnist.load_data()  # fashion_mnist
+
+    # add empty color dimension
+    x_train = np.expand_dims(x_train, -1)
+    x_test = np.expand_dims(x_test, -1)
+
+    # ---- cell 3 ----
+    def create_model():
+      model = keras.models.Sequential()
+      model.add(keras.Input(shape=x_train.shape[1:]))
+      model.add(keras.layers.BatchNormalization())
+      model.add(keras.layers.Conv2D(64, (5, 5), padding='same', activation='elu'))
+      model.add(keras.layers.MaxPooling2D(pool_size=(2, 2), strides=(2,2)))
+      model.add(keras.layers.Dropout(0.25))
+
+      model.add(keras.layers.BatchNormalization())
+      model.add(keras.layers.Conv2D(128, (5, 5), padding='same', activation='elu'))
+      model.add(keras.layers.MaxPooling2D(pool_size=(2, 2)))
+      model.add(keras.layers.Dropout(0.25))
+
+      model.add(keras.layers.BatchNormalization())
+      model.add(keras.layers.Conv2D(256, (5, 5), padding='same', activation='elu'))
+      model.add(keras.layers.MaxPooling2D(pool_size=(2, 2), strides=(2,2)))
+      model.add(keras.layers.Dropout(0.25))
+
+      model.add(keras.layers.Flatten())
+      model.add(keras.layers.Dense(256))
+      model.add(keras.layers.Activation('elu'))
+      model.add(keras.layers.Dropout(0.5))
+      model.add(keras.layers.Dense(10))
+      model.add(keras.layers.Activation('softmax'))
+      return model
+
+    # ---- cell 4 ----
+    EPOCHS, STEPS_PER_EPOCH, TRAIN_ROWS, TEST_ROWS = 2, 6, 384, 256  # the notebook: 17, 60, all (60,000, 10,000)
+    x_train, y_train, x_test, y_test = x_train[:TRAIN_ROWS], y_train[:TRAIN_ROWS], x_test[:TEST_ROWS], y_test[:TEST_ROWS]
+    keras.backend.clear_session()
+
+    resolver = keras_tpu.TPUClusterResolver('grpc://' + os.environ['COLAB_TPU_ADDR'])
+    keras_tpu.experimental_connect_to_cluster(resolver)
+
+    # This is the TPU initialization code that has to be at the beginning.
+    topology = keras_tpu.initialize_tpu_system(resolver)
+    print("All devices: ", topology.describe())  # tf.config.list_logical_devices('TPU')
+
+    strategy = keras_tpu.TPUStrategy(resolver)
+
+    with strategy.scope():
+      model = create_model()
+      model.compile(
+          optimizer=keras.optimizers.Adam(learning_rate=1e-3, ),
+          loss='sparse_categorical_crossentropy',
+          metrics=['sparse_categorical_accuracy'])
+
+    history = model.fit(
+        x_train.astype(np.float32), y_train.astype(np.float32),
+        epochs=EPOCHS,
+        steps_per_epoch=STEPS_PER_EPOCH,
+        validation_data=(x_test.astype(np.float32), y_test.astype(np.float32)),
+        validation_freq=EPOCHS
+    )
+
+    model.save_weights('./fashion_mnist.h5', overwrite=True)
+
+    # ---- cell 5 ----
+    LABEL_NAMES = ['t_shirt', 'trouser', 'pullover', 'dress', 'coat', 'sandal', 'shirt', 'sneaker', 'bag', 'ankle_boots']
+
+
+    cpu_model = create_model()
+    cpu_model.load_weights('./fashion_mnist.h5')
+
+    plotted = (np.squeeze(x_test[:16]), cpu_model.predict(x_test[:16]))  # plot_predictions(...): left out
+
+    # ---- what the notebook's user checks ----
+    assert topology.num_cores == strategy.num_replicas_in_sync == 8
+    assert int(model.optimizer.iterations.value) == EPOCHS * STEPS_PER_EPOCH
+    # The progress bar: the loss falls (this recipe's first steps overshoot to ~6 before it learns) and the
+    # accuracy rises; validation runs once, after the last epoch (validation_freq), far above chance (10%): 34%.
+    losses, accuracies = history.history["loss"], history.history["sparse_categorical_accuracy"]
+    assert losses[-1] < 0.6 * losses[0] and accuracies[-1] > accuracies[0], history.history
+    assert len(history.history["val_loss"]) == 1 and history.history["val_sparse_categorical_accuracy"][0] > 0.2
+    # The CPU model loaded from the TPU's .h5 holds the TPU's weights (BatchNormalization's moving statistics
+    # too) and classifies the test images as the validation did, within the MXU's bfloat16 rounding; the 16
+    # predictions the notebook would plot are probabilities over the 10 labels.
+    for tpu_weight, cpu_weight in zip(model.get_weights(), cpu_model.get_weights()):
+        np.testing.assert_array_equal(tpu_weight, cpu_weight)
+    cpu_probabilities = cpu_model.predict(x_test, batch_size=16, verbose=0)  # the shape of cell 5's call
+    cpu_accuracy = np.mean(cpu_probabilities.argmax(axis=1) == y_test)
+    assert cpu_accuracy == pytest.approx(history.history["val_sparse_categorical_accuracy"][0], abs=0.03)
+    images, predictions = plotted
+    assert images.shape == (16, 28, 28) and predictions.shape == (16, len(LABEL_NAMES))
+    np.testing.assert_allclose(predictions.sum(axis=1), 1, rtol=1e-5)
+    np.testing.assert_allclose(predictions, cpu_probabilities[:16], rtol=1e-5, atol=1e-6)
