@@ -12,8 +12,14 @@ MNIST is the bundled copy (``keras_tpu.datasets.mnist``: MNIST's official 10,000
 digits as the training set and its last 2,000 as the test set), not TensorFlow Datasets' 60,000 and 10,000.
 """
 
+import math
+import re
+
 import keras
+import numpy as np
 import pytest
+
+from keras_tpu._placement import installed_on
 
 COLAB_TPU_ADDR = "10.240.1.2:8470"
 
@@ -25,6 +31,28 @@ def colab(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     keras.utils.set_random_seed(0)  # the notebooks do not seed; the tests do, to be repeatable
     return tmp_path
+
+
+class Batches(keras.utils.PyDataset):
+    """``tf.data.Dataset.from_tensor_slices((images, labels)).batch(batch_size)`` (a partial last batch kept), with
+    ``.shuffle(buffer)`` before the batching if ``shuffle`` (here always with a buffer that holds the whole split: a
+    new full permutation each epoch), as a ``keras.utils.PyDataset``, which ``fit`` and ``evaluate`` iterate again
+    on every epoch and call, as they do a ``tf.data`` dataset (a generator is read once)."""
+
+    def __init__(self, images, labels, batch_size, shuffle=False):
+        super().__init__()
+        self.images, self.labels, self.batch_size, self.shuffle = images, labels, batch_size, shuffle
+        self.on_epoch_end()
+
+    def __len__(self):
+        return math.ceil(len(self.images) / self.batch_size)
+
+    def __getitem__(self, index):
+        rows = self.order[index * self.batch_size:(index + 1) * self.batch_size]
+        return self.images[rows], self.labels[rows]
+
+    def on_epoch_end(self):
+        self.order = np.random.permutation(len(self.images)) if self.shuffle else np.arange(len(self.images))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -357,3 +385,227 @@ def test_guide_tpu(colab, capsys):
     assert float(training_loss.result()) == pytest.approx(expected_loss, rel=2e-3)
     assert float(training_accuracy.result()) == pytest.approx(expected_accuracy, abs=0.011)
     assert int(optimizer.iterations.value) == 3 * steps_per_epoch + 1
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 2. Distributed training with Keras (site/en/tutorials/distribute/keras.ipynb), on the TPU
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_tutorial_distributed_training_with_keras(colab, capsys):
+    """tensorflow/docs ``site/en/tutorials/distribute/keras.ipynb`` ("Distributed training with Keras") at commit
+    9555b660 (2024-09-11, its newest), written for ``MirroredStrategy``, run with ``keras_tpu.TPUStrategy``: a
+    small MNIST convnet built and compiled under the strategy's scope, trained with ``fit`` and the callbacks
+    ``ModelCheckpoint`` (weights per epoch), ``LearningRateScheduler`` and a custom ``PrintLR``; the latest
+    checkpoint loaded and evaluated; the model saved as ``.keras`` and loaded without and with the scope.
+
+    Changes:
+
+    * cell 2: ``tensorflow_datasets``, ``tensorflow`` -> ``numpy``, ``keras``, ``keras_tpu``; ``%load_ext
+      tensorboard`` left out; cell 3: ``tf.__version__`` -> ``keras.__version__``;
+    * cell 4, ``tensorflow_datasets`` -> NumPy: ``tfds.load(name='mnist', with_info=True, as_supervised=True)`` ->
+      ``keras_tpu.datasets.mnist.load_data()`` (8,000 training and 2,000 test digits instead of 60,000 and 10,000),
+      each split an ``(images, labels)`` pair with tfds' shapes and dtypes (``(28, 28, 1)`` uint8 images, int64
+      labels); cell 7: ``info.splits[...].num_examples`` -> the splits' lengths;
+    * cell 5, **the strategy**: ``tf.distribute.MirroredStrategy()`` -> ``keras_tpu.TPUStrategy()`` (the local
+      simulated v2-8: 8 replicas, so ``BATCH_SIZE`` is 64 * 8 = 512);
+    * cell 8: ``tf.cast(image, tf.float32)`` -> ``image.astype(np.float32)``; cell 9: ``.map(scale)`` -> ``scale``
+      on the arrays, ``.cache().shuffle(BUFFER_SIZE).batch(BATCH_SIZE)`` and ``.batch(BATCH_SIZE)`` -> the module's
+      :class:`Batches` (a ``keras.utils.PyDataset``; ``BUFFER_SIZE`` = 10,000 holds all 8,000 training digits, so
+      the shuffle is a full one each epoch; partial last batches kept: 8,000 = 15 * 512 + 320 and 2,000 = 3 * 512
+      + 464);
+    * cell 10: ``tf.keras`` -> ``keras``; ``Conv2D(32, 3, ..., input_shape=(28, 28, 1))`` -> ``keras.Input((28, 28,
+      1))`` then ``Conv2D(32, 3, ...)`` (Keras 3 layers take no ``input_shape``);
+    * cells 13-14: ``tf.keras.callbacks`` -> ``keras.callbacks``; ``tf.keras.callbacks.TensorBoard(log_dir=
+      './logs')`` left out (TensorBoard's event files are TensorFlow's), as are cells 18-19 (``%tensorboard``, ``!ls
+      -sh ./logs``);
+    * cell 15, shortened: ``EPOCHS = 4`` instead of 12 (the schedule's first change, 1e-3 -> 1e-4 at epoch 3, is
+      in them; the second, at epoch 7, is not);
+    * cell 16: ``!ls {checkpoint_dir}`` -> ``print(sorted(os.listdir(checkpoint_dir)))``;
+    * cells 17, 22, 23: each ``evaluate``'s ``(eval_loss, eval_acc)`` is also noted in ``evals`` for the checks;
+      cells 22-23: ``tf.keras.models``/``losses``/``optimizers`` -> ``keras.``.
+    """
+    # ---- cell 2 ----
+    import numpy as np
+    import keras
+    import keras_tpu
+
+    import os
+
+    # ---- cell 3 ----
+    print(keras.__version__)
+
+    # ---- cell 4 ----
+    datasets = keras_tpu.datasets.mnist.load_data()  # tfds.load(name='mnist', with_info=True, as_supervised=True)
+    datasets = [(images[..., np.newaxis], labels.astype(np.int64)) for images, labels in datasets]
+
+    mnist_train, mnist_test = datasets
+
+    # ---- cell 5 ----
+    strategy = keras_tpu.TPUStrategy()  # tf.distribute.MirroredStrategy()
+
+    # ---- cell 6 ----
+    print('Number of devices: {}'.format(strategy.num_replicas_in_sync))
+
+    # ---- cell 7 ----
+    # You can also do info.splits.total_num_examples to get the total
+    # number of examples in the dataset.
+
+    num_train_examples = len(mnist_train[0])  # info.splits['train'].num_examples
+    num_test_examples = len(mnist_test[0])  # info.splits['test'].num_examples
+
+    BUFFER_SIZE = 10000
+
+    BATCH_SIZE_PER_REPLICA = 64
+    BATCH_SIZE = BATCH_SIZE_PER_REPLICA * strategy.num_replicas_in_sync
+
+    # ---- cell 8 ----
+    def scale(image, label):
+      image = image.astype(np.float32)
+      image /= 255
+
+      return image, label
+
+    # ---- cell 9 ----
+    assert BUFFER_SIZE >= num_train_examples  # .shuffle(BUFFER_SIZE): a full shuffle, as Batches does
+    train_dataset = Batches(*scale(*mnist_train), BATCH_SIZE, shuffle=True)  # .map(scale).cache().shuffle().batch()
+    eval_dataset = Batches(*scale(*mnist_test), BATCH_SIZE)  # mnist_test.map(scale).batch(BATCH_SIZE)
+
+    # ---- cell 10 ----
+    with strategy.scope():
+      model = keras.Sequential([
+          keras.Input(shape=(28, 28, 1)),
+          keras.layers.Conv2D(32, 3, activation='relu'),
+          keras.layers.MaxPooling2D(),
+          keras.layers.Flatten(),
+          keras.layers.Dense(64, activation='relu'),
+          keras.layers.Dense(10)
+      ])
+
+      model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    optimizer=keras.optimizers.Adam(learning_rate=0.001),
+                    metrics=['accuracy'])
+
+    # ---- cell 11 ----
+    # Define the checkpoint directory to store the checkpoints.
+    checkpoint_dir = './training_checkpoints'
+    # Define the name of the checkpoint files.
+    checkpoint_prefix = os.path.join(checkpoint_dir, "ckpt_{epoch:04d}.weights.h5")
+
+    # ---- cell 12 ----
+    # Define a function for decaying the learning rate.
+    # You can define any decay function you need.
+    def decay(epoch):
+      if epoch < 3:
+        return 1e-3
+      elif epoch >= 3 and epoch < 7:
+        return 1e-4
+      else:
+        return 1e-5
+
+    # ---- cell 13 ----
+    # Define a callback for printing the learning rate at the end of each epoch.
+    class PrintLR(keras.callbacks.Callback):
+      def on_epoch_end(self, epoch, logs=None):
+        print('\nLearning rate for epoch {} is {}'.format(epoch + 1, model.optimizer.learning_rate.numpy()))
+
+    # ---- cell 14 ----
+    # Put all the callbacks together.
+    callbacks = [
+        # keras.callbacks.TensorBoard(log_dir='./logs'): left out (TensorFlow's event files)
+        keras.callbacks.ModelCheckpoint(filepath=checkpoint_prefix,
+                                        save_weights_only=True),
+        keras.callbacks.LearningRateScheduler(decay),
+        PrintLR()
+    ]
+
+    # ---- cell 15 ----
+    EPOCHS = 4  # the tutorial: 12
+
+    history = model.fit(train_dataset, epochs=EPOCHS, callbacks=callbacks)
+
+    # ---- cell 16 ----
+    # Check the checkpoint directory.
+    print(sorted(os.listdir(checkpoint_dir)))  # !ls {checkpoint_dir}
+
+    # ---- cell 17 ----
+    import pathlib
+    latest_checkpoint = sorted(pathlib.Path(checkpoint_dir).glob('*'))[-1]
+
+    model.load_weights(latest_checkpoint)
+
+    eval_loss, eval_acc = model.evaluate(eval_dataset)
+
+    print('Eval loss: {}, Eval accuracy: {}'.format(eval_loss, eval_acc))
+    evals = {"checkpoint": (eval_loss, eval_acc)}  # for the checks below
+
+    # ---- cell 20 ----
+    path = 'my_model.keras'
+
+    # ---- cell 21 ----
+    model.save(path)
+
+    # ---- cell 22 ----
+    unreplicated_model = keras.models.load_model(path)
+
+    unreplicated_model.compile(
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer=keras.optimizers.Adam(),
+        metrics=['accuracy'])
+
+    eval_loss, eval_acc = unreplicated_model.evaluate(eval_dataset)
+
+    print('Eval loss: {}, Eval Accuracy: {}'.format(eval_loss, eval_acc))
+    evals["unreplicated"] = (eval_loss, eval_acc)  # for the checks below
+
+    # ---- cell 23 ----
+    with strategy.scope():
+      replicated_model = keras.models.load_model(path)
+      replicated_model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                               optimizer=keras.optimizers.Adam(),
+                               metrics=['accuracy'])
+
+      eval_loss, eval_acc = replicated_model.evaluate(eval_dataset)
+      print ('Eval loss: {}, Eval Accuracy: {}'.format(eval_loss, eval_acc))
+      evals["replicated"] = (eval_loss, eval_acc)  # for the checks below
+
+    # ---- what the notebook's user checks ----
+    out = capsys.readouterr().out
+    assert strategy.num_replicas_in_sync == 8 and "Number of devices: 8" in out and BATCH_SIZE == 512
+    assert (num_train_examples, num_test_examples) == (8000, 2000) and len(train_dataset) == 16
+    # The schedule, as LearningRateScheduler set it and PrintLR printed it at each epoch's end.
+    assert history.history["learning_rate"] == pytest.approx([1e-3, 1e-3, 1e-3, 1e-4])
+    printed_rates = [(int(epoch), float(rate))
+                     for epoch, rate in re.findall(r"Learning rate for epoch (\d+) is (\S+)", out)]
+    assert printed_rates == [(1, pytest.approx(1e-3)), (2, pytest.approx(1e-3)), (3, pytest.approx(1e-3)),
+                             (4, pytest.approx(1e-4))], printed_rates
+    assert int(model.optimizer.iterations.value) == EPOCHS * 16
+    # Training: the loss falls epoch by epoch, the accuracy rises far above chance (10%).
+    losses = history.history["loss"]
+    assert all(b < a for a, b in zip(losses, losses[1:])) and history.history["accuracy"][-1] > 0.85, history.history
+    # One weights checkpoint per epoch; the latest holds the trained weights and loads into plain Keras as well.
+    names = ['ckpt_0001.weights.h5', 'ckpt_0002.weights.h5', 'ckpt_0003.weights.h5', 'ckpt_0004.weights.h5']
+    assert sorted(os.listdir(checkpoint_dir)) == names and str(names) in out and latest_checkpoint.name == names[-1]
+    plain = keras.models.clone_model(unreplicated_model)
+    plain.load_weights(latest_checkpoint)
+    for trained, loaded in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(trained, loaded)
+    first = keras.models.clone_model(unreplicated_model)
+    first.load_weights(os.path.join(checkpoint_dir, names[0]))
+    assert not np.array_equal(first.get_weights()[0], plain.get_weights()[0])  # each epoch's own weights
+    # The evaluation: far above chance, on the TPU and on the CPU alike (CPU float32 against the MXU's bf16
+    # products: the same to 1e-2, 5e-4 at the seed), and the model loaded under the scope runs on the TPU and
+    # evaluates as the trained one.
+    assert installed_on(model) is not None and installed_on(replicated_model) is not None
+    assert installed_on(unreplicated_model) is None
+    for trained, loaded in zip(model.get_weights(), unreplicated_model.get_weights()):
+        np.testing.assert_array_equal(trained, loaded)
+    checkpoint_loss, checkpoint_acc = evals["checkpoint"]
+    assert checkpoint_acc > 0.85 and checkpoint_loss < 0.5, evals
+    assert evals["unreplicated"][0] == pytest.approx(checkpoint_loss, rel=1e-2), evals
+    assert evals["unreplicated"][1] == pytest.approx(checkpoint_acc, abs=2e-3), evals
+    # (The same TPU numerics; float32 sums in another order: the first evaluate timed both of keras_tpu's test
+    # programs, the cores in a loop and as one batch, and kept the faster.)
+    assert evals["replicated"][0] == pytest.approx(checkpoint_loss, rel=1e-4), evals
+    assert evals["replicated"][1] == pytest.approx(checkpoint_acc, abs=1e-6), evals
