@@ -12,7 +12,9 @@ MNIST is the bundled copy (``keras_tpu.datasets.mnist``: MNIST's official 10,000
 digits as the training set and its last 2,000 as the test set), not TensorFlow Datasets' 60,000 and 10,000.
 """
 
+import glob
 import math
+import os
 import re
 
 import keras
@@ -53,6 +55,45 @@ class Batches(keras.utils.PyDataset):
 
     def on_epoch_end(self):
         self.order = np.random.permutation(len(self.images)) if self.shuffle else np.arange(len(self.images))
+
+    def __iter__(self):  # a plain pass (strategy.experimental_distribute_dataset's), reshuffled after it
+        for index in range(len(self)):
+            yield self[index]
+        self.on_epoch_end()
+
+
+class Checkpoint:
+    """``tf.train.Checkpoint(optimizer=..., model=...)`` for Keras 3 objects. ``save(file_prefix)`` writes
+    ``<file_prefix>-<n>.weights.h5`` (the model's weights, Keras' own file) and ``<file_prefix>-<n>.optimizer.npz``
+    (the optimizer's variables: its step, learning rate and slots), ``n`` counting this object's saves from 1 as
+    TensorFlow's ``save_counter`` does, and returns ``<file_prefix>-<n>``; ``restore(save_path)`` loads both back
+    (building the optimizer on the model's trainable variables first: TensorFlow restores slots as they are
+    created)."""
+
+    def __init__(self, optimizer, model):
+        self.optimizer, self.model, self.save_counter = optimizer, model, 0
+
+    def save(self, file_prefix):
+        self.save_counter += 1
+        save_path = f"{file_prefix}-{self.save_counter}"
+        os.makedirs(os.path.dirname(save_path) or ".", exist_ok=True)
+        self.model.save_weights(save_path + ".weights.h5")
+        np.savez(save_path + ".optimizer.npz", *[np.asarray(v.value) for v in self.optimizer.variables])
+        return save_path
+
+    def restore(self, save_path):
+        self.model.load_weights(save_path + ".weights.h5")
+        if not self.optimizer.built:
+            self.optimizer.build(self.model.trainable_variables)
+        with np.load(save_path + ".optimizer.npz") as saved:
+            for i, variable in enumerate(self.optimizer.variables):
+                variable.assign(saved[f"arr_{i}"])
+
+
+def latest_checkpoint(checkpoint_dir):
+    """``tf.train.latest_checkpoint``: the save path of the newest :meth:`Checkpoint.save` in ``checkpoint_dir``."""
+    paths = glob.glob(os.path.join(checkpoint_dir, "*-*.weights.h5"))
+    return max((p[:-len(".weights.h5")] for p in paths), key=lambda p: int(p.rsplit("-", 1)[1]), default=None)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -609,3 +650,328 @@ def test_tutorial_distributed_training_with_keras(colab, capsys):
     # programs, the cores in a loop and as one batch, and kept the faster.)
     assert evals["replicated"][0] == pytest.approx(checkpoint_loss, rel=1e-4), evals
     assert evals["replicated"][1] == pytest.approx(checkpoint_acc, abs=1e-6), evals
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 3. Custom training with tf.distribute.Strategy (site/en/tutorials/distribute/custom_training.ipynb), on the TPU
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_tutorial_custom_training(colab, capsys):
+    """tensorflow/docs ``site/en/tutorials/distribute/custom_training.ipynb`` ("Custom training with
+    tf.distribute.Strategy") at commit d742984f (2023-10-17, its newest), written for ``MirroredStrategy``, run with
+    ``keras_tpu.TPUStrategy``: a convnet with L2 regularizers trained by a custom loop (``strategy.run`` of a
+    ``train_step`` whose loss is ``compute_average_loss`` plus the scaled regularization, ``strategy.reduce(SUM)``
+    of the replicas' losses), a test loop updating metrics, checkpoints restored into a model without the strategy,
+    and the tutorial's two other ways of iterating (an iterator for a number of steps, a whole epoch in one
+    function).
+
+    Changes:
+
+    * cell 2: ``tensorflow`` -> ``keras``, ``keras_tpu``, ``jax``; ``tf.__version__`` -> ``keras.__version__``;
+    * cell 3, **MNIST for Fashion-MNIST** (not available here): ``tf.keras.datasets.fashion_mnist`` ->
+      ``keras_tpu.datasets.mnist`` (the same shapes and dtypes); **a slice**: its first 2,048 training and 1,024
+      test digits (4 and 2 global batches of 512; a full batch per step, so each step function compiles for one
+      shape), instead of Fashion-MNIST's 60,000 and 10,000;
+    * cell 4, **the strategy**: ``tf.distribute.MirroredStrategy()`` -> ``keras_tpu.TPUStrategy()`` (8 replicas:
+      ``GLOBAL_BATCH_SIZE`` is 64 * 8 = 512);
+    * cell 6, shortened: ``EPOCHS = 2`` instead of 10;
+    * cell 7: ``tf.data.Dataset.from_tensor_slices(...).shuffle(BUFFER_SIZE).batch(GLOBAL_BATCH_SIZE)`` and
+      ``...batch(GLOBAL_BATCH_SIZE)`` -> the module's :class:`Batches` (reshuffled after each pass; ``BUFFER_SIZE``
+      is the split's length, so a full shuffle), which ``strategy.experimental_distribute_dataset`` iterates again
+      on every ``for``, as a ``tf.data`` dataset;
+    * cell 8: ``tf.keras`` -> ``keras``; **shrunk**: ``Conv2D`` layers of 8 and 16 filters instead of 32 and 64
+      (with 32 and 64 this test takes 37 s here, 10 s more: ``strategy.run`` runs a convolution's gradient on the
+      8 cores as one batched convolution, several times slower on XLA:CPU than ``fit``'s step; the dense layers
+      and regularizers are the tutorial's); **not mechanical**: ``keras.Input(shape=(28, 28, 1))`` first, so that the
+      model has its variables before the first step (TensorFlow builds the model at its first call inside the
+      tape; Keras 3's JAX style differentiates with respect to the variables' values, which must exist);
+    * cell 10: ``reduction=tf.keras.losses.Reduction.NONE`` -> ``reduction=None`` (Keras 3);
+      ``tf.nn.compute_average_loss(per_example_loss)`` -> its formula, the sum of the per-example losses divided by
+      the global batch size (``per_example_loss``'s rows times ``num_replicas_in_sync``);
+      ``tf.nn.scale_regularization_loss(tf.add_n(model_losses))`` -> the sum of ``model_losses`` divided by
+      ``num_replicas_in_sync``;
+    * cell 12, **not mechanical**: ``tf.train.Checkpoint(optimizer=..., model=...)`` (TensorFlow's object-based
+      checkpoints, which Keras 3 has no counterpart of) -> the module's :class:`Checkpoint`, which saves the model's
+      weights as a Keras ``.weights.h5`` file and the optimizer's variables as ``.npz``; cell 17:
+      ``tf.train.latest_checkpoint`` -> the module's :func:`latest_checkpoint`;
+    * cell 13: ``tf.GradientTape`` -> ``jax.value_and_grad`` of the loss as a function of the trainable variables'
+      values: ``model(images, training=True)`` and ``model.losses`` -> ``model.stateless_call(trainable,
+      non_trainable, images, training=True, return_losses=True)``; ``tape.gradient`` -> the gradient it returns;
+    * cells 14, 16, 19: ``@tf.function`` dropped (``strategy.run`` compiles its own program; a ``jax.jit`` around a
+      replica function that updates variables is refused, and ``eval_step`` updates a metric);
+      ``tf.distribute.ReduceOp.SUM`` -> ``keras_tpu.ReduceOp.SUM``; ``reset_states()`` -> ``reset_state()``;
+      ``tf.cast(num_batches, dtype=tf.float32)`` -> ``float(num_batches)``;
+    * cell 15: ``tf.data.Dataset.from_tensor_slices(...).batch(GLOBAL_BATCH_SIZE)`` -> :class:`Batches`;
+    * cell 18, shortened: 2 steps per epoch instead of 10 (the slice has 4 batches).
+    """
+    # ---- cell 2 ----
+    # Import Keras, keras_tpu and JAX
+    import keras
+    import keras_tpu
+    import jax
+
+    # Helper libraries
+    import numpy as np
+    import os
+
+    print(keras.__version__)
+
+    # ---- cell 3 ----
+    fashion_mnist = keras_tpu.datasets.mnist  # keras.datasets.fashion_mnist: not available, MNIST stands in
+
+    (train_images, train_labels), (test_images, test_labels) = fashion_mnist.load_data()
+    (train_images, train_labels), (test_images, test_labels) = (  # a slice: 4 and 2 global batches
+        (train_images[:2048], train_labels[:2048]), (test_images[:1024], test_labels[:1024]))
+
+    # Add a dimension to the array -> new shape == (28, 28, 1)
+    # This is done because the first layer in our model is a convolutional
+    # layer and it requires a 4D input (batch_size, height, width, channels).
+    # batch_size dimension will be added later on.
+    train_images = train_images[..., None]
+    test_images = test_images[..., None]
+
+    # Scale the images to the [0, 1] range.
+    train_images = train_images / np.float32(255)
+    test_images = test_images / np.float32(255)
+
+    # ---- cell 4 ----
+    # If the list of devices is not specified in
+    # `tf.distribute.MirroredStrategy` constructor, they will be auto-detected.
+    strategy = keras_tpu.TPUStrategy()  # tf.distribute.MirroredStrategy()
+
+    # ---- cell 5 ----
+    print('Number of devices: {}'.format(strategy.num_replicas_in_sync))
+
+    # ---- cell 6 ----
+    BUFFER_SIZE = len(train_images)
+
+    BATCH_SIZE_PER_REPLICA = 64
+    GLOBAL_BATCH_SIZE = BATCH_SIZE_PER_REPLICA * strategy.num_replicas_in_sync
+
+    EPOCHS = 2  # the tutorial: 10
+
+    # ---- cell 7 ----
+    assert BUFFER_SIZE >= len(train_images)  # .shuffle(BUFFER_SIZE): a full shuffle, as Batches does
+    train_dataset = Batches(train_images, train_labels, GLOBAL_BATCH_SIZE, shuffle=True)
+    test_dataset = Batches(test_images, test_labels, GLOBAL_BATCH_SIZE)
+
+    train_dist_dataset = strategy.experimental_distribute_dataset(train_dataset)
+    test_dist_dataset = strategy.experimental_distribute_dataset(test_dataset)
+
+    # ---- cell 8 ----
+    def create_model():
+      regularizer = keras.regularizers.L2(1e-5)
+      model = keras.Sequential([
+          keras.Input(shape=(28, 28, 1)),  # not in the tutorial: see the docstring
+          keras.layers.Conv2D(8, 3,  # the tutorial: 32 (see the docstring)
+                              activation='relu',
+                              kernel_regularizer=regularizer),
+          keras.layers.MaxPooling2D(),
+          keras.layers.Conv2D(16, 3,  # the tutorial: 64
+                              activation='relu',
+                              kernel_regularizer=regularizer),
+          keras.layers.MaxPooling2D(),
+          keras.layers.Flatten(),
+          keras.layers.Dense(64,
+                             activation='relu',
+                             kernel_regularizer=regularizer),
+          keras.layers.Dense(10, kernel_regularizer=regularizer)
+        ])
+
+      return model
+
+    # ---- cell 9 ----
+    # Create a checkpoint directory to store the checkpoints.
+    checkpoint_dir = './training_checkpoints'
+    checkpoint_prefix = os.path.join(checkpoint_dir, "ckpt")
+
+    # ---- cell 10 ----
+    with strategy.scope():
+      # Set reduction to `NONE` so you can do the reduction yourself.
+      loss_object = keras.losses.SparseCategoricalCrossentropy(
+          from_logits=True,
+          reduction=None)
+      def compute_loss(labels, predictions, model_losses):
+        per_example_loss = loss_object(labels, predictions)
+        # tf.nn.compute_average_loss(per_example_loss): divided by the global batch size
+        loss = keras.ops.sum(per_example_loss) / (
+            keras.ops.shape(per_example_loss)[0] * strategy.num_replicas_in_sync)
+        if model_losses:
+          # tf.nn.scale_regularization_loss(tf.add_n(model_losses))
+          loss += keras.ops.sum(keras.ops.stack(model_losses)) / strategy.num_replicas_in_sync
+        return loss
+
+    # ---- cell 11 ----
+    with strategy.scope():
+      test_loss = keras.metrics.Mean(name='test_loss')
+
+      train_accuracy = keras.metrics.SparseCategoricalAccuracy(
+          name='train_accuracy')
+      test_accuracy = keras.metrics.SparseCategoricalAccuracy(
+          name='test_accuracy')
+
+    # ---- cell 12 ----
+    # A model, an optimizer, and a checkpoint must be created under `strategy.scope`.
+    with strategy.scope():
+      model = create_model()
+
+      optimizer = keras.optimizers.Adam(learning_rate=0.001)
+
+      checkpoint = Checkpoint(optimizer=optimizer, model=model)  # tf.train.Checkpoint
+
+    # ---- cell 13 ----
+    def train_step(inputs):
+      images, labels = inputs
+
+      def loss_fn(trainable_variables):  # with tf.GradientTape() as tape:
+        predictions, _, model_losses = model.stateless_call(
+            trainable_variables, [v.value for v in model.non_trainable_variables], images, training=True,
+            return_losses=True)
+        loss = compute_loss(labels, predictions, model_losses)
+        return loss, predictions
+
+      (loss, predictions), gradients = jax.value_and_grad(loss_fn, has_aux=True)(
+          [v.value for v in model.trainable_variables])  # tape.gradient(loss, model.trainable_variables)
+      optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+
+      train_accuracy.update_state(labels, predictions)
+      return loss
+
+    def test_step(inputs):
+      images, labels = inputs
+
+      predictions = model(images, training=False)
+      t_loss = loss_object(labels, predictions)
+
+      test_loss.update_state(t_loss)
+      test_accuracy.update_state(labels, predictions)
+
+    # ---- cell 14 ----
+    # `run` replicates the provided computation and runs it
+    # with the distributed input.
+    def distributed_train_step(dataset_inputs):
+      per_replica_losses = strategy.run(train_step, args=(dataset_inputs,))
+      return strategy.reduce(keras_tpu.ReduceOp.SUM, per_replica_losses,
+                             axis=None)
+
+    def distributed_test_step(dataset_inputs):
+      return strategy.run(test_step, args=(dataset_inputs,))
+
+    for epoch in range(EPOCHS):
+      # TRAIN LOOP
+      total_loss = 0.0
+      num_batches = 0
+      for x in train_dist_dataset:
+        total_loss += distributed_train_step(x)
+        num_batches += 1
+      train_loss = total_loss / num_batches
+
+      # TEST LOOP
+      for x in test_dist_dataset:
+        distributed_test_step(x)
+
+      if epoch % 2 == 0:
+        checkpoint.save(checkpoint_prefix)
+
+      template = ("Epoch {}, Loss: {}, Accuracy: {}, Test Loss: {}, "
+                  "Test Accuracy: {}")
+      print(template.format(epoch + 1, train_loss,
+                             train_accuracy.result() * 100, test_loss.result(),
+                             test_accuracy.result() * 100))
+
+      test_loss.reset_state()
+      train_accuracy.reset_state()
+      test_accuracy.reset_state()
+
+    # ---- cell 15 ----
+    eval_accuracy = keras.metrics.SparseCategoricalAccuracy(
+          name='eval_accuracy')
+
+    new_model = create_model()
+    new_optimizer = keras.optimizers.Adam()
+
+    test_dataset = Batches(test_images, test_labels, GLOBAL_BATCH_SIZE)
+
+    # ---- cell 16 ----
+    def eval_step(images, labels):
+      predictions = new_model(images, training=False)
+      eval_accuracy(labels, predictions)
+
+    # ---- cell 17 ----
+    checkpoint = Checkpoint(optimizer=new_optimizer, model=new_model)
+    checkpoint.restore(latest_checkpoint(checkpoint_dir))
+
+    for images, labels in test_dataset:
+      eval_step(images, labels)
+
+    print('Accuracy after restoring the saved model without strategy: {}'.format(
+        eval_accuracy.result() * 100))
+
+    # ---- cell 18 ----
+    for _ in range(EPOCHS):
+      total_loss = 0.0
+      num_batches = 0
+      train_iter = iter(train_dist_dataset)
+
+      for _ in range(2):  # the tutorial: range(10)
+        total_loss += distributed_train_step(next(train_iter))
+        num_batches += 1
+      average_train_loss = total_loss / num_batches
+
+      template = ("Epoch {}, Loss: {}, Accuracy: {}")
+      print(template.format(epoch + 1, average_train_loss, train_accuracy.result() * 100))
+      train_accuracy.reset_state()
+
+    # ---- cell 19 ----
+    def distributed_train_epoch(dataset):
+      total_loss = 0.0
+      num_batches = 0
+      for x in dataset:
+        per_replica_losses = strategy.run(train_step, args=(x,))
+        total_loss += strategy.reduce(
+          keras_tpu.ReduceOp.SUM, per_replica_losses, axis=None)
+        num_batches += 1
+      return total_loss / float(num_batches)
+
+    for epoch in range(EPOCHS):
+      train_loss = distributed_train_epoch(train_dist_dataset)
+
+      template = ("Epoch {}, Loss: {}, Accuracy: {}")
+      print(template.format(epoch + 1, train_loss, train_accuracy.result() * 100))
+
+      train_accuracy.reset_state()
+
+    # ---- what the notebook's user checks ----
+    out = capsys.readouterr().out
+    assert strategy.num_replicas_in_sync == 8 and "Number of devices: 8" in out and GLOBAL_BATCH_SIZE == 512
+    number = r"([-+0-9.e]+)"
+    epochs = [tuple(map(float, m)) for m in re.findall(
+        rf"Epoch \d+, Loss: {number}, Accuracy: {number}, Test Loss: {number}, Test Accuracy: {number}", out)]
+    later = [tuple(map(float, m)) for m in re.findall(rf"Epoch \d+, Loss: {number}, Accuracy: {number}\n", out)]
+    assert len(epochs) == EPOCHS and len(later) == 2 * EPOCHS, out
+    # Cell 14: the training loss falls, the test accuracy is far above chance (10%).
+    assert epochs[-1][0] < epochs[0][0] and epochs[-1][3] > 25, epochs  # 41% at the seed
+    # Cells 18 and 19 train on: the loss keeps falling.
+    losses = [epochs[0][0], epochs[-1][0]] + [loss for loss, _ in later]
+    assert losses[-1] < losses[1] and losses[-1] < 0.9 * losses[0], losses  # 2.27 -> 1.79 at the seed
+    # Every step applied one update from all 8 replicas: 4 + 4 (cell 14), 2 + 2 (cell 18), 4 + 4 (cell 19).
+    assert int(optimizer.iterations.value) == 20
+    # The checkpoint of the first epoch (`epoch % 2 == 0`) restores into a model without the strategy: its test
+    # accuracy on the CPU is the one printed for that epoch on the TPU (float32 against the MXU's bf16 products:
+    # to 2 digits of 1,024), and the optimizer's state came with it (4 steps).
+    assert sorted(os.listdir(checkpoint_dir)) == ["ckpt-1.optimizer.npz", "ckpt-1.weights.h5"]
+    assert latest_checkpoint(checkpoint_dir) == os.path.join(checkpoint_dir, "ckpt-1")
+    restored = float(re.search(r"Accuracy after restoring the saved model without strategy: " + number, out)[1])
+    assert restored == pytest.approx(epochs[0][3], abs=100 * 2 / 1024), (restored, epochs)
+    assert int(new_optimizer.iterations.value) == 4 and len(new_optimizer.variables) == len(optimizer.variables)
+    # The loss a training step returns (the replicas' scaled losses summed) is plain Keras' loss for the same
+    # weights and batch on the CPU: mean cross-entropy + the L2 terms (bf16 products on the MXU: to 2e-3).
+    reference = create_model()
+    reference.set_weights(model.get_weights())
+    images, labels = train_images[:GLOBAL_BATCH_SIZE], train_labels[:GLOBAL_BATCH_SIZE]
+    expected = float(keras.ops.mean(loss_object(labels, reference(images)))
+                     + keras.ops.sum(keras.ops.stack(reference.losses)))
+    (batch,) = strategy.experimental_distribute_dataset([(images, labels)])
+    assert float(distributed_train_step(batch)) == pytest.approx(expected, rel=2e-3)
