@@ -230,11 +230,15 @@ class CoreLayout:
             >>> square(2.0, jnp.arange(8.0)).tolist()[:3]
             [0.0, 2.0, 8.0]
         """
-        if not looped or self.cores_per_device == 1:
-            return jax.vmap(fn, in_axes=in_axes, axis_name=CORE_AXIS)
+        cores = self.cores_per_device
+        if not looped or cores == 1:
+            # axis_size: every argument may be shared (a replica function given the same inputs on every core).
+            return jax.vmap(fn, in_axes=in_axes, axis_name=CORE_AXIS, axis_size=cores)
 
         def each_core(*args):
             axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
+            if all(axis is None for axis in axes):
+                return lax.map(lambda _: fn(*args), jnp.arange(cores))
             mapped = [None if axis is None else a for a, axis in zip(args, axes)]
             return lax.map(lambda core: fn(*(a if axis is None else c for a, c, axis in zip(args, core, axes))),
                            mapped)

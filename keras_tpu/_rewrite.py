@@ -54,6 +54,11 @@ def _uses(jaxpr):
     return counts
 
 
+# The products the fold applies to: XLA's, and the MXU's (same operands and dimension numbers), which a program
+# holds where the MXU rule ran before the cores were mapped (a TPUStrategy.run replica function).
+_PRODUCTS = ("dot_general", "mxu_dot_general")
+
+
 def _positional_leading_sum(eqn):
     """Whether ``eqn`` sums its one operand over axis 0 alone (``reduce_sum``, or ``psum`` over a vmapped axis)."""
     name = eqn.primitive.name
@@ -90,7 +95,7 @@ def fold_summed_batch_products(jaxpr):
             if perm[0] == 0 and isinstance(eqns[j].invars[0], jex_core.Var):
                 transpose, source = j, eqns[j].invars[0]
                 j = producer.get(source)
-        if j is None or j in dropped or eqns[j].primitive.name != "dot_general" or uses[source] != 1:
+        if j is None or j in dropped or eqns[j].primitive.name not in _PRODUCTS or uses[source] != 1:
             continue
         dot = eqns[j]
         (lc, rc), (lb, rb) = dot.params["dimension_numbers"]

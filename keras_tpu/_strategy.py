@@ -41,6 +41,7 @@ import enum
 import itertools
 import math
 import threading
+import types
 import weakref
 
 import jax
@@ -630,7 +631,10 @@ class TPUStrategy:
         structure with a ``PerReplica`` at each leaf.
 
         Matrix products in ``fn`` run on the MXU. Each function is compiled once
-        per argument shapes, so pass the same function object on every step.
+        per argument shapes; one defined anew on every step (a ``step_fn``
+        inside a ported ``@tf.function``) runs the same program while it closes
+        over the same objects. Arguments that are not ``PerReplica`` are given
+        to every replica whole, so with none ``fn`` runs the same on each.
         ``options`` (TensorFlow's ``tf.distribute.RunOptions``: dynamic batch
         sizes, bucketizing) has no effect: every program here has fixed shapes.
 
@@ -649,7 +653,7 @@ class TPUStrategy:
         static = tuple((i, x) for i, (x, k) in enumerate(zip(leaves, kinds)) if k == "static")
         replicated = [jnp.asarray(x) for x, k in zip(leaves, kinds) if k == "array"]
         sharded = [self._rows_by_replica(x.stacked) for x, k in zip(leaves, kinds) if k == "replica"]
-        key = (fn, treedef, kinds, tuple((i, repr(x)) for i, x in static))
+        key = (_replica_function_key(fn), treedef, kinds, tuple((i, repr(x)) for i, x in static))
         program = self._run_programs.pop(key, None) or _RunProgram(self, fn, treedef, kinds, dict(static),
                                                                    replicated, sharded)
         self._run_programs[key] = program  # most recently used last
@@ -847,6 +851,27 @@ def _combine_over_cores(variable, old, per_core):
     return per_core[0]  # weights and counters: the same on every core
 
 
+def _replica_function_key(fn):
+    """What a replica function's compiled program is kept under: the function, or for a plain Python function
+    its code and the objects it closes over and defaults to.
+
+    TensorFlow's guides define ``step_fn`` inside a step function that ``@tf.function`` traces once; ported,
+    that step function runs on every step and defines a new ``step_fn`` each time. One that reads the same
+    objects (the model, the optimizer, the metrics) computes what the first did, so it runs the same program
+    instead of compiling a new one per step. A program holds its first function, which keeps those objects
+    (and so their ids) alive while the program is kept.
+    """
+    if not isinstance(fn, types.FunctionType):
+        return fn  # bound methods compare by their function and object already
+    try:
+        closed_over = tuple(id(cell.cell_contents) for cell in fn.__closure__ or ())
+    except ValueError:  # a cell not yet assigned
+        return fn
+    defaults = tuple(id(d) for d in fn.__defaults__ or ()) + tuple(
+        (name, id(d)) for name, d in sorted((fn.__kwdefaults__ or {}).items()))
+    return fn.__code__, id(fn.__globals__), closed_over, defaults
+
+
 class _RunProgram:
     """One compiled ``strategy.run(fn, ...)``: ``fn`` on every core, with the Keras state it reads and writes.
 
@@ -879,24 +904,40 @@ class _RunProgram:
         self.variables = list({**scope.read, **scope.written}.values())
         self.written = [v for v in self.variables if id(v) in scope.written]
 
+        position = {id(v): i for i, v in enumerate(self.variables)}  # (Keras variables compare by value)
+        written_positions = [position[id(v)] for v in self.written]
+
         def core_fn(values, replicated, sharded):
             mapping = list(zip(self.variables, values))
             with gradients_summed_over_cores(), keras.StatelessScope(state_mapping=mapping) as scope:
                 outputs = self._call_fn(replicated, [jax.tree.map(lambda a: a[0], x) for x in sharded])
-            position = {id(v): i for i, v in enumerate(self.variables)}  # (Keras variables compare by value)
-            old_values = [values[position[id(v)]] for v in self.written]
+            old_values = [values[i] for i in written_positions]
             new_values = [jnp.asarray(old if scope.get_current_value(v) is None else scope.get_current_value(v),
                                       old.dtype)[None] for v, old in zip(self.written, old_values)]
             return jax.tree.map(lambda a: jnp.asarray(a)[None], outputs), new_values
 
         per_core = strategy.layout.per_core(rewrite.transform(core_fn, strategy.placement.rule), (False, False, True),
                                             (True, True))
+
+        def program(values, replicated, sharded):
+            # The cores' new values (stacked, one per core) combined in the program, not by eager ops after it.
+            outputs, per_core_values = per_core(values, replicated, sharded)
+            return outputs, [_combine_over_cores(variable, values[i], stacked)
+                             for variable, i, stacked in zip(self.written, written_positions, per_core_values)]
+        # The values always arrive placed on the cores, so that the written-back values (the program's outputs)
+        # and the first call's (the variables' own) take one compiled program, not two.
+        self.replicated = strategy.layout.replicated_sharding()
         # Called on its own, the program compiles with XLA:CPU's options for a training program (a replica function
         # may compute gradients), the MXU's bf16 rounding kept exact among them (see
         # keras_tpu.mxu._kernels.compiler_options). Inside the user's own jit, whose compile decides, JAX takes no
         # options for a nested one.
-        self.program = jax.jit(per_core, compiler_options=kernels.compiler_options("train"))
-        self.nested_program = jax.jit(per_core)
+        # The MXU rule ran on one core's function, before it was mapped over the cores (so that a convolution of
+        # each core's own operands, its weight gradient, is batched as the MXU's: one core after another). The
+        # program as a whole is rewritten again for the fold of the cores' summed gradients into one product
+        # over all rows (see keras_tpu._rewrite; nothing is left for the rule itself).
+        program = rewrite.transform(program, strategy.placement.rule)
+        self.program = jax.jit(program, compiler_options=kernels.compiler_options("train"))
+        self.nested_program = jax.jit(program)
 
     def _call_fn(self, replicated, sharded):
         replicated, sharded = iter(replicated), iter(sharded)
@@ -907,20 +948,21 @@ class _RunProgram:
 
     def __call__(self, replicated, sharded):
         values = [v.value for v in self.variables]
+        values = [value if getattr(value, "sharding", None) == self.replicated or isinstance(value, jax.core.Tracer)
+                  else jax.device_put(value, self.replicated) for value in values]
         try:
-            outputs, per_core = self.program(values, replicated, sharded)
+            outputs, combined = self.program(values, replicated, sharded)
         except ValueError as error:   # called while the user's own jit traces (JAX names the nested-jit rule)
             if "compiler_options" not in str(error):
                 raise
-            outputs, per_core = self.nested_program(values, replicated, sharded)
-        if self.written and any(isinstance(a, jax.core.Tracer) for a in per_core):
+            outputs, combined = self.nested_program(values, replicated, sharded)
+        if self.written and any(isinstance(a, jax.core.Tracer) for a in combined):
             raise RuntimeError(
                 "strategy.run was called inside a function JAX traces (jax.jit, the port of @tf.function), and its "
                 f"replica function updates Keras variables ({', '.join(v.path for v in self.written[:3])}"
                 f"{', ...' if len(self.written) > 3 else ''}): their new values would be traced values, lost after "
                 "the trace. Call strategy.run outside jax.jit: it compiles its program once and runs it as one "
                 "TPU program, as @tf.function does.")
-        olds = {id(v): value for v, value in zip(self.variables, values)}
-        for variable, stacked in zip(self.written, per_core):
-            variable.assign(_combine_over_cores(variable, olds[id(variable)], stacked))
+        for variable, value in zip(self.written, combined):
+            variable.assign(value)
         return outputs

@@ -440,9 +440,15 @@ def _is_py_dataset(data):
 
 
 def _prepend(first, rest):
-    """A generator yielding ``first`` then the rest of ``rest`` (Keras reads generators, not chains)."""
+    """A generator yielding ``first`` then the rest of ``rest`` (Keras reads generators, not chains).
+
+    The user's generator is read on, never closed: when Keras drops this one after ``fit``, the next
+    ``fit`` on the same generator goes on from where this one stopped, as it does in plain Keras (``yield
+    from`` would pass the close on to it).
+    """
     yield first
-    yield from rest
+    for batch in rest:
+        yield batch
 
 
 def peek_first_batch(data, argument, call):

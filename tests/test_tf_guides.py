@@ -119,10 +119,9 @@ def test_guide_tpu(colab, capsys):
       out: placing an op on one core by device name is TensorFlow's runtime, which keras_tpu has no counterpart
       of;
     * cell 5: ``tf.distribute.TPUStrategy`` -> ``keras_tpu.TPUStrategy``;
-    * cell 6 (``strategy.run(matmul_fn, args=(a, b))``: every core gets the same two matrices) is **left out**, kept
-      as a comment ported (``tf.constant`` -> ``keras.ops.convert_to_tensor``, ``@tf.function`` dropped,
-      ``tf.matmul`` -> ``keras.ops.matmul``): keras_tpu's ``strategy.run`` fails when no argument is a
-      ``PerReplica`` (``/tmp/guide_repro_run_without_per_replica.py``);
+    * cell 6 (``strategy.run(matmul_fn, args=(a, b))``: every core gets the same two matrices): cell 4's
+      ``tf.constant`` -> ``keras.ops.convert_to_tensor``, ``@tf.function`` dropped, ``tf.matmul`` ->
+      ``keras.ops.matmul``;
     * cell 7: ``tf.keras`` -> ``keras``; ``Conv2D(..., input_shape=(28, 28, 1), ...)`` -> ``keras.Input((28, 28,
       1))`` then ``Conv2D(...)`` (Keras 3 layers take no ``input_shape``); **shrunk**: the two ``Conv2D`` layers have
       ``FILTERS = 8`` filters instead of 256 (32 filters already take 0.4 s per training step of 200 digits
@@ -142,9 +141,6 @@ def test_guide_tpu(colab, capsys):
       ``steps_per_execution = 50`` -> ``5`` ("anything between 2 and ``steps_per_epoch``", as the guide's comment
       says: with fewer steps per epoch than steps per execution, Keras 3 runs 50 steps per epoch on a generator,
       plain Keras on the CPU as well);
-    * cell 10, **not mechanical**: ``train_dataset`` and ``test_dataset`` are made again by ``get_dataset`` before
-      ``fit``: keras_tpu's ``fit`` in cell 9 closed the two generators, which plain Keras leaves open
-      (``/tmp/guide_repro_generator_closed_after_fit.py``);
     * cell 11: ``tf.keras.optimizers``/``metrics`` -> ``keras.``; ``dtype=tf.float32`` -> ``"float32"``;
       ``@tf.function`` dropped. ``tf.GradientTape`` -> ``jax.value_and_grad`` of the loss as a function of the
       trainable variables' values: ``model(images, training=True)`` and ``model.losses`` -> ``model.stateless_call(
@@ -153,11 +149,8 @@ def test_guide_tpu(colab, capsys):
       divided by the global batch size (``per_example_loss``'s rows times ``num_replicas_in_sync``);
       ``tf.nn.scale_regularization_loss(tf.add_n(model_losses))`` -> the sum of ``model_losses`` divided by
       ``num_replicas_in_sync``; ``tf.keras.losses`` -> ``keras.losses``;
-    * cell 11, **not mechanical**: ``step_fn`` is defined once, before ``train_step``, instead of inside it.
-      ``@tf.function`` traces ``train_step`` once, so its nested ``step_fn`` is built and compiled once; as a plain
-      function (its port), ``train_step`` would create a new ``step_fn`` on every call and ``strategy.run``, which
-      keeps one compiled program per function object, compiles each step anew (about a second per step here:
-      ``/tmp/guide_repro_nested_step_fn.py``);
+      ``train_step`` defines a new ``step_fn`` on every call, as the guide's does (there ``@tf.function`` traced
+      it once); ``strategy.run`` runs one compiled program for them all, as they close over the same objects;
     * cell 12: shortened: 2 epochs instead of 5 (of ``steps_per_epoch``, 5 here); ``steps_per_eval = 10000 //
       batch_size`` -> ``2000 // batch_size`` (the bundled test split; unused, as in the guide);
       ``optimizer.iterations.numpy()`` -> ``int(optimizer.iterations.value)``; ``reset_states()`` ->
@@ -186,17 +179,16 @@ def test_guide_tpu(colab, capsys):
     # ---- cell 5 ----
     strategy = keras_tpu.TPUStrategy(resolver)
 
-    # ---- cell 6 ---- left out: strategy.run with no PerReplica argument fails in keras_tpu (vmap with no mapped
-    # axis; /tmp/guide_repro_run_without_per_replica.py). The guide's code, as ported:
-    #   a = keras.ops.convert_to_tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])  # from cell 4
-    #   b = keras.ops.convert_to_tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
-    #
-    #   def matmul_fn(x, y):
-    #     z = keras.ops.matmul(x, y)
-    #     return z
-    #
-    #   z = strategy.run(matmul_fn, args=(a, b))
-    #   print(z)
+    # ---- cell 6 ----
+    a = keras.ops.convert_to_tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])  # from cell 4
+    b = keras.ops.convert_to_tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+
+    def matmul_fn(x, y):
+      z = keras.ops.matmul(x, y)
+      return z
+
+    z = strategy.run(matmul_fn, args=(a, b))
+    print(z)
 
     # ---- cell 7 ----
     FILTERS = 8  # the guide: 256 (see the docstring)
@@ -278,10 +270,6 @@ def test_guide_tpu(colab, capsys):
                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                     metrics=['sparse_categorical_accuracy'])
 
-    # The guide passes cell 9's datasets again; keras_tpu's fit closed those generators (it wraps them with
-    # `yield from`, which forwards the close: /tmp/guide_repro_generator_closed_after_fit.py), so new ones.
-    train_dataset = get_dataset(batch_size, is_training=True)
-    test_dataset = get_dataset(batch_size, is_training=False)
     history_spe = model.fit(train_dataset,
                             epochs=EPOCHS,
                             steps_per_epoch=steps_per_epoch,
@@ -306,32 +294,33 @@ def test_guide_tpu(colab, capsys):
     train_dataset = strategy.distribute_datasets_from_function(
         lambda _: get_dataset(per_replica_batch_size, is_training=True))
 
-    def step_fn(inputs):  # defined inside train_step in the guide: see the docstring
-      """The computation to run on each TPU device."""
-      images, labels = inputs
-
-      def loss_fn(trainable_variables):  # with tf.GradientTape() as tape:
-        logits, _, model_losses = model.stateless_call(
-            trainable_variables, [v.value for v in model.non_trainable_variables], images, training=True,
-            return_losses=True)
-        per_example_loss = keras.losses.sparse_categorical_crossentropy(
-            labels, logits, from_logits=True)
-        # tf.nn.compute_average_loss(per_example_loss): divided by the global batch size
-        loss = keras.ops.sum(per_example_loss) / (
-            keras.ops.shape(per_example_loss)[0] * strategy.num_replicas_in_sync)
-        if model_losses:
-          # tf.nn.scale_regularization_loss(tf.add_n(model_losses))
-          loss += keras.ops.sum(keras.ops.stack(model_losses)) / strategy.num_replicas_in_sync
-        return loss, logits
-
-      (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-          [v.value for v in model.trainable_variables])  # tape.gradient(loss, model.trainable_variables)
-      optimizer.apply_gradients(list(zip(grads, model.trainable_variables)))
-      training_loss.update_state(loss * strategy.num_replicas_in_sync)
-      training_accuracy.update_state(labels, logits)
-
     def train_step(iterator):
       """The step function for one training step."""
+
+      def step_fn(inputs):
+        """The computation to run on each TPU device."""
+        images, labels = inputs
+
+        def loss_fn(trainable_variables):  # with tf.GradientTape() as tape:
+          logits, _, model_losses = model.stateless_call(
+              trainable_variables, [v.value for v in model.non_trainable_variables], images, training=True,
+              return_losses=True)
+          per_example_loss = keras.losses.sparse_categorical_crossentropy(
+              labels, logits, from_logits=True)
+          # tf.nn.compute_average_loss(per_example_loss): divided by the global batch size
+          loss = keras.ops.sum(per_example_loss) / (
+              keras.ops.shape(per_example_loss)[0] * strategy.num_replicas_in_sync)
+          if model_losses:
+            # tf.nn.scale_regularization_loss(tf.add_n(model_losses))
+            loss += keras.ops.sum(keras.ops.stack(model_losses)) / strategy.num_replicas_in_sync
+          return loss, logits
+
+        (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            [v.value for v in model.trainable_variables])  # tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(list(zip(grads, model.trainable_variables)))
+        training_loss.update_state(loss * strategy.num_replicas_in_sync)
+        training_accuracy.update_state(labels, logits)
+
       strategy.run(step_fn, args=(next(iterator),))
 
     # ---- cell 12 ----
@@ -398,6 +387,11 @@ def test_guide_tpu(colab, capsys):
     # ---- what the notebook's user checks ----
     out = capsys.readouterr().out
     assert topology.num_cores == 8 and strategy.num_replicas_in_sync == 8 and "8 cores" in out
+    # Cell 6: every core multiplied the same two matrices.
+    assert z.num_replicas == 8 and all(np.allclose(v, [[22.0, 28.0], [49.0, 64.0]], rtol=1e-2) for v in z.values)
+    # One compiled program for the custom loop's steps (cell 11's step_fn, defined anew on each step) and one for
+    # cell 13's (cell 6's matmul_fn is the third).
+    assert len(strategy._run_programs) == 3
     # Model.fit, without and with steps_per_execution: the loss falls, validation accuracy far above chance.
     for h in (history, history_spe):
         assert h.history["loss"][-1] < h.history["loss"][0], h.history
@@ -421,8 +415,7 @@ def test_guide_tpu(colab, capsys):
     expected_accuracy = float(np.mean(np.argmax(np.asarray(logits), axis=1) == labels))
     training_loss.reset_state()
     training_accuracy.reset_state()
-    (batch,) = strategy.experimental_distribute_dataset([(images, labels)])
-    strategy.run(step_fn, args=(batch,))
+    train_step(iter(strategy.experimental_distribute_dataset([(images, labels)])))
     assert float(training_loss.result()) == pytest.approx(expected_loss, rel=2e-3)
     assert float(training_accuracy.result()) == pytest.approx(expected_accuracy, abs=0.011)
     assert int(optimizer.iterations.value) == 3 * steps_per_epoch + 1

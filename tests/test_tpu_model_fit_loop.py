@@ -207,3 +207,33 @@ def test_bn_dropout_model_trains_on_cifar10_images():
     assert history["loss"][-1] < history["loss"][0]
     _, accuracy = tpu.evaluate(x_test[:1000], y_test[:1000], batch_size=256, verbose=0)
     assert accuracy > 0.25  # chance is 0.10
+
+
+def test_fit_reads_on_in_the_users_generator_and_never_closes_it():
+    """TensorFlow's TPU guide fits two models on one repeating dataset; ported as one endless generator, each
+    fit reads on where the last one stopped, as in plain Keras, and the generator stays open."""
+    x, y = classification_data(16)
+
+    def run(model):
+        read, closed = [], []
+
+        def batches():
+            try:
+                for step in range(10_000):
+                    read.append(step)
+                    yield x, y
+            finally:
+                closed.append(True)
+
+        data = batches()
+        counts = []
+        for _ in range(2):
+            model.fit(data, steps_per_epoch=3, epochs=2, verbose=0)
+            counts.append(len(read))
+        model.evaluate(data, steps=2, verbose=0)
+        counts.append(len(read))
+        return counts, bool(closed)  # while `data` is alive (collected, a generator closes)
+
+    tpu_counts, tpu_closed = run(on_tpu(small_classifier()))
+    cpu_counts, cpu_closed = run(small_classifier())
+    assert tpu_counts == cpu_counts and tpu_counts[-1] >= 14 and not tpu_closed and not cpu_closed

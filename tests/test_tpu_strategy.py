@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import keras_tpu
+from keras_tpu import _rewrite as rewrite
 from keras_tpu._placement import installed_on
 from tests.tpu_helpers import assert_weights_close, classification_data, compiled_programs, small_classifier
 
@@ -283,3 +284,91 @@ def test_strategy_run_inside_jax_jit_refuses_to_update_variables():
     doubled = jax.jit(lambda value: strategy.run(lambda rows: rows * 2, args=(value,)))(batch)
     assert isinstance(doubled, keras_tpu.PerReplica)
     np.testing.assert_array_equal(np.concatenate(doubled.values), 2 * x)
+
+
+def test_the_tpu_guides_replica_step_compiles_once_and_trains_as_the_cpu():
+    """TensorFlow's "Use TPUs" guide writes its replica function inside the step function (``@tf.function``
+    traced it once); ported, a new ``step_fn`` is defined on every step. It runs one compiled program, computes
+    the cores' weight gradients without a per-core copy of a Dense kernel's gradient or a grouped convolution
+    (each core's convolution gradient in turn, the Dense gradients one product over all rows), and trains as
+    plain Keras does on the global batch."""
+    strategy = keras_tpu.TPUStrategy(precision="highest")
+    rng = np.random.default_rng(0)
+    x, y = rng.random((4 * 64, 12, 12, 1), dtype=np.float32), rng.integers(0, 10, 4 * 64)
+
+    def create_model():
+        keras.utils.set_random_seed(3)
+        return keras.Sequential([keras.Input((12, 12, 1)), keras.layers.Conv2D(4, 3, activation="relu"),
+                                 keras.layers.Flatten(), keras.layers.Dense(32, activation="relu"),
+                                 keras.layers.Dense(10)])
+
+    with strategy.scope():
+        model = create_model()
+        optimizer = keras.optimizers.SGD(0.5)
+
+    def train_step(inputs):
+        def step_fn(inputs):
+            images, labels = inputs
+
+            def loss_of(trainable):
+                logits, _ = model.stateless_call(trainable, [], images, training=True)
+                per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+                return keras.ops.sum(per_example) / 64  # tf.nn.compute_average_loss(global_batch_size=64)
+
+            loss, grads = jax.value_and_grad(loss_of)([v.value for v in model.trainable_variables])
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        return strategy.reduce("SUM", strategy.run(step_fn, args=(inputs,)))
+
+    batches = [(x[i:i + 64], y[i:i + 64]) for i in range(0, len(x), 64)]
+    losses = [float(train_step(batch)) for batch in strategy.experimental_distribute_dataset(batches)]
+    (program,) = strategy._run_programs.values()  # one program for the four steps
+
+    cpu = create_model()
+    cpu_optimizer = keras.optimizers.SGD(0.5)
+    cpu_losses = []
+    for images, labels in batches:
+        def loss_of(trainable):
+            logits, _ = cpu.stateless_call(trainable, [], images, training=True)
+            return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+        loss, grads = jax.value_and_grad(loss_of)([v.value for v in cpu.trainable_variables])
+        cpu_optimizer.apply_gradients(zip(grads, cpu.trainable_variables))
+        cpu_losses.append(float(loss))
+    np.testing.assert_allclose(losses, cpu_losses, rtol=1e-5)
+    assert_weights_close(model.get_weights(), cpu.get_weights(), atol=1e-5)
+
+    sharded = [strategy._rows_by_replica(next(iter(strategy.experimental_distribute_dataset(batches[:1]))).stacked)]
+    jaxpr = jax.make_jaxpr(program.nested_program)([v.value for v in program.variables], [], sharded)
+    products = [o.eqn for o in rewrite.walk(jaxpr, lambda e: e.primitive.name.startswith("mxu_"))]
+    dots = [tuple(e.outvars[0].aval.shape) for e in products if e.primitive.name == "mxu_dot_general"]
+    for kernel in (model.layers[2].kernel, model.layers[3].kernel):  # the gradient, in either orientation
+        either = (tuple(kernel.shape), tuple(kernel.shape)[::-1])
+        assert any(shape in dots for shape in either) and not any((8,) + shape in dots for shape in either), dots
+    convs = [e for e in products if e.primitive.name == "mxu_conv"]
+    assert convs and all(e.params["feature_group_count"] == 1 and e.params["batch_group_count"] == 1 for e in convs)
+
+
+def test_a_replica_function_given_the_same_inputs_on_every_core(strategy):
+    """The guide's ``strategy.run(tf.matmul, args=(a, b))``: no per-replica argument, every core computes the same."""
+    a = np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], "float32")
+    b = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], "float32")
+    z = strategy.run(keras.ops.matmul, args=(a, b))
+    assert z.num_replicas == 8
+    for value in z.values:
+        np.testing.assert_allclose(value, a @ b, rtol=1e-6)
+
+
+def test_a_replica_function_defined_anew_reuses_its_program_only_while_it_reads_the_same_objects(strategy):
+    (batch,) = strategy.experimental_distribute_dataset([np.ones((16, 2), "float32")])
+
+    def scaled_by(scale):
+        return lambda rows: rows * scale
+
+    first, second = (strategy.run(scaled_by(np.float32(s)), args=(batch,)) for s in (2.0, 3.0))
+    assert float(strategy.reduce("SUM", first, axis=0).sum()) == 64.0
+    assert float(strategy.reduce("SUM", second, axis=0).sum()) == 96.0  # not the first program's constant
+    scale = np.float32(5.0)
+    for _ in range(3):
+        strategy.run(scaled_by(scale), args=(batch,))
+    assert len(strategy._run_programs) == 3
