@@ -271,7 +271,7 @@ def test_predict_is_lazy_and_works_on_an_endless_input(tmp_path):
 
 def test_evaluate_steps_takes_and_runs_only_those_steps(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="keras_tpu")
-    program_steps = lambda: [steps for mode, _, steps in compiled_programs(caplog) if mode == "predict"]
+    program_steps = lambda: [steps for mode, _, steps in compiled_programs(caplog) if mode == "evaluation"]
     estimator = make(tmp_path, iterations=234, batch=128)  # 234 steps: a 30,000-example epoch per call
     estimator.train(train_arrays, steps=1)
     x, y = mnist("test", 10_000)
