@@ -103,3 +103,85 @@ class DCGAN(keras.Model):
         return ({"d_loss": self.d_loss_tracker.stateless_result(d_metric),
                  "g_loss": self.g_loss_tracker.stateless_result(g_metric)},
                 (g_vars + d_vars, non_trainable, optimizer_variables, d_metric + g_metric))
+
+
+def guide_model(filters=32):
+    """TensorFlow's "Use TPUs" guide's ``create_model`` (its 256 filters cut to ``filters``: a CPU benchmark)."""
+    regularizer = keras.regularizers.L2(1e-5)
+    return keras.Sequential([
+        keras.Input((28, 28, 1)),
+        layers.Conv2D(filters, 3, activation="relu", kernel_regularizer=regularizer),
+        layers.Conv2D(filters, 3, activation="relu", kernel_regularizer=regularizer),
+        layers.Flatten(),
+        layers.Dense(256, activation="relu", kernel_regularizer=regularizer),
+        layers.Dense(128, activation="relu", kernel_regularizer=regularizer),
+        layers.Dense(10, kernel_regularizer=regularizer)])
+
+
+def guide_custom_loop(tpu_strategy=None, filters=32):
+    """The guide's custom training loop: ``(step(images, labels) -> None, variables to wait on)``.
+
+    With ``tpu_strategy`` (a ``keras_tpu.TPUStrategy``), the guide's own form: the model, optimizer and
+    metrics under its scope and ``strategy.run(step_fn)``, each replica's loss scaled by the global batch.
+    Without, what the same loop is on one device with Keras 3 on JAX: one jitted step of the whole batch
+    (``stateless_call``, ``jax.value_and_grad``, ``stateless_apply``, the metrics' stateless updates).
+    """
+    if tpu_strategy is not None:
+        with tpu_strategy.scope():
+            model = guide_model(filters)
+            optimizer = keras.optimizers.Adam()
+            training_loss = keras.metrics.Mean("training_loss")
+            training_accuracy = keras.metrics.SparseCategoricalAccuracy("training_accuracy")
+        replicas = tpu_strategy.num_replicas_in_sync
+
+        def step(images, labels):
+            (inputs,) = tpu_strategy.experimental_distribute_dataset([(images, labels)])
+
+            def step_fn(inputs):   # defined inside the step, as the guide's train_step does
+                images, labels = inputs
+
+                def loss_fn(trainable):
+                    logits, _, model_losses = model.stateless_call(trainable, [], images, training=True,
+                                                                   return_losses=True)
+                    per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+                    loss = ops.sum(per_example) / (ops.shape(per_example)[0] * replicas)
+                    return loss + ops.sum(ops.stack(model_losses)) / replicas, logits
+
+                (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                    [v.value for v in model.trainable_variables])
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+                training_loss.update_state(loss * replicas)
+                training_accuracy.update_state(labels, logits)
+
+            tpu_strategy.run(step_fn, args=(inputs,))
+
+        return step, model.trainable_variables
+
+    model = guide_model(filters)
+    optimizer = keras.optimizers.Adam()
+    training_loss = keras.metrics.Mean("training_loss")
+    training_accuracy = keras.metrics.SparseCategoricalAccuracy("training_accuracy")
+    optimizer.build(model.trainable_variables)
+
+    @jax.jit
+    def jitted(state, images, labels):
+        trainable, optimizer_values, loss_values, accuracy_values = state
+
+        def loss_fn(trainable):
+            logits, _, model_losses = model.stateless_call(trainable, [], images, training=True, return_losses=True)
+            per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+            return ops.mean(per_example) + ops.sum(ops.stack(model_losses)), logits
+
+        (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+        trainable, optimizer_values = optimizer.stateless_apply(optimizer_values, grads, trainable)
+        loss_values = training_loss.stateless_update_state(loss_values, loss)
+        accuracy_values = training_accuracy.stateless_update_state(accuracy_values, labels, logits)
+        return trainable, optimizer_values, loss_values, accuracy_values
+
+    state = [[v.value for v in variables] for variables in (
+        model.trainable_variables, optimizer.variables, training_loss.variables, training_accuracy.variables)]
+
+    def step(images, labels):
+        state[:] = jitted(state, images, labels)
+
+    return step, state

@@ -17,7 +17,11 @@ data of its shapes:
   ``stateless_call``, ``jax.value_and_grad`` and ``optimizer.stateless_apply``, batch 64;
 * ``dcgan``: keras.io's DCGAN on 28x28 images (Conv2DTranspose generator,
   strided Conv2D discriminator), two SGD optimizers in the model's own ``train_step``,
-  batch 64 (training only: it has no evaluation loss).
+  batch 64 (training only: it has no evaluation loss);
+* ``custom_loop``: TensorFlow's "Use TPUs" guide's custom training loop (its convnet
+  with 32 filters instead of 256, Adam, L2 regularizers, two metrics), batch 200: under
+  ``TPUStrategy`` the guide's ``strategy.run(step_fn)`` with a ``step_fn`` defined on each
+  step; plain Keras runs the same loop as one jitted step of the whole batch (training only).
 
 Configurations, each model in a fresh process: ``keras_tpu`` (``keras_to_tpu_model``,
 or a ``TPUStrategy`` scope for the GAN, whose ``compile`` takes two optimizers) and
@@ -52,6 +56,7 @@ MODELS = {
     "mlp_b32": (32, 400, 400),
     "own_train_step": (64, 400, 400),
     "dcgan": (64, 6, 0),
+    "custom_loop": (200, 20, 0),
 }
 
 
@@ -125,6 +130,8 @@ def measure(config, name):
 
     batch, train_steps, eval_batches = MODELS[name]
     keras.utils.set_random_seed(0)
+    if name == "custom_loop":
+        return measure_custom_loop(config, keras, batch, train_steps)
     if config == "keras_tpu" and name == "dcgan":
         scope = keras_tpu.TPUStrategy().scope()
     else:
@@ -164,6 +171,38 @@ def measure(config, name):
         # As in zoo.py: the timed evaluations' excess over the best counts too (a layout trial compiles there).
         "compile_s": max(first_fit - step, 0.0) + (max(first_eval - eval_step, 0.0) if eval_batches else 0.0)
                      + sum(w - eval_wall for w in eval_walls),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def measure_custom_loop(config, keras, batch, train_steps):
+    """``measure`` for a custom training loop (no ``fit``): the first step's excess is its compile time."""
+    import jax
+    import numpy as np
+    from _users_models import guide_custom_loop
+
+    strategy = None
+    if config == "keras_tpu":
+        import keras_tpu
+        strategy = keras_tpu.TPUStrategy()
+    step, state = guide_custom_loop(strategy)
+    rng = np.random.default_rng(0)
+    images = rng.random((batch * train_steps, 28, 28, 1), np.float32)
+    labels = rng.integers(0, 10, batch * train_steps)
+    started = time.perf_counter()
+    step(images[:batch], labels[:batch])
+    jax.block_until_ready(jax.tree.leaves(state))
+    first = time.perf_counter() - started
+    wall, cpu = time.perf_counter(), time.process_time()
+    for i in range(0, batch * train_steps, batch):
+        step(images[i:i + batch], labels[i:i + batch])
+    jax.block_until_ready(jax.tree.leaves(state))
+    train_wall, train_cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return {
+        "config": config, "model": "custom_loop", "batch": batch, "load": os.getloadavg()[0],
+        "train_per_s": batch * train_steps / train_wall, "eval_per_s": float("nan"),
+        "train_step_ms": 1e3 * train_wall / train_steps, "train_step_cpu_ms": 1e3 * train_cpu / train_steps,
+        "compile_s": max(first - train_wall / train_steps, 0.0),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
