@@ -948,8 +948,10 @@ class _RunProgram:
 
     def __call__(self, replicated, sharded):
         values = [v.value for v in self.variables]
-        values = [value if getattr(value, "sharding", None) == self.replicated or isinstance(value, jax.core.Tracer)
-                  else jax.device_put(value, self.replicated) for value in values]
+        if not pod.is_multi_worker():  # (a pod's workers hold host values, which jit places as it always did)
+            values = [value if getattr(value, "sharding", None) == self.replicated or
+                      isinstance(value, jax.core.Tracer) else jax.device_put(value, self.replicated)
+                      for value in values]
         try:
             outputs, combined = self.program(values, replicated, sharded)
         except ValueError as error:   # called while the user's own jit traces (JAX names the nested-jit rule)
