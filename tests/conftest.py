@@ -25,3 +25,17 @@ def run_python(code, env=None, timeout=600):
 def rng():
     return np.random.default_rng(1234)
 
+
+# A made-up address: the TPU is simulated locally whatever the address.
+COLAB_TPU_ADDR = "10.240.1.2:8470"
+
+
+@pytest.fixture
+def colab(monkeypatch, tmp_path):
+    """What a Colab TPU runtime gives a notebook (tests/test_tf_notebooks.py, tests/test_tf_guides.py):
+    ``COLAB_TPU_ADDR``, a fresh working directory, seeded RNGs."""
+    monkeypatch.setenv("COLAB_TPU_ADDR", COLAB_TPU_ADDR)
+    monkeypatch.chdir(tmp_path)
+    import keras
+    keras.utils.set_random_seed(0)  # the notebooks do not seed; the tests do, to be repeatable
+    return tmp_path

@@ -24,16 +24,7 @@ import pytest
 
 import keras_tpu
 
-COLAB_TPU_ADDR = "10.240.1.2:8470"
-
-
-@pytest.fixture
-def colab(monkeypatch, tmp_path):
-    """What a Colab TPU runtime gives a notebook: ``COLAB_TPU_ADDR``, a fresh working directory, seeded RNGs."""
-    monkeypatch.setenv("COLAB_TPU_ADDR", COLAB_TPU_ADDR)
-    monkeypatch.chdir(tmp_path)
-    keras.utils.set_random_seed(0)  # the notebooks do not seed; the tests do, to be repeatable
-    return tmp_path
+# The `colab` fixture (COLAB_TPU_ADDR, a fresh directory, seeded RNGs) is in tests/conftest.py.
 
 
 def stateful_predict(model):
