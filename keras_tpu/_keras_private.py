@@ -85,6 +85,8 @@ import threading
 
 import jax
 import keras
+import numpy as np
+from jax.extend import core as jex_core
 from keras import StatelessScope
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 from keras.src.legacy.saving import legacy_h5_format as legacy_h5  # noqa: F401  (re-exported)
@@ -280,6 +282,11 @@ def losses_not_per_row(model, y, y_pred):
     for _, loss, name, y_t, y_p in _compiled_losses(model, y, y_pred):
         if not isinstance(loss, keras.losses.Loss):
             continue
+        if overridden_methods(loss, ("__call__",)):
+            # Keras reduces in Loss.__call__: a class that replaces it (keras.io's supervised contrastive loss)
+            # returns its own reduction, whatever its call() gives, and may ignore the sample weight.
+            found.append(getattr(loss, "name", None) or name or type(loss).__name__)
+            continue
         try:
             values = jax.eval_shape(loss.call, y_t, y_p)
         except Exception:  # noqa: BLE001  (a loss that cannot be traced alone keeps the caller's default)
@@ -288,6 +295,96 @@ def losses_not_per_row(model, y, y_pred):
         if not shapes or any(len(shape) == 0 or shape[0] != rows for shape in shapes):
             found.append(getattr(loss, "name", None) or name or type(loss).__name__)
     return found
+
+
+def metrics_ignoring_sample_weight(model, y, y_pred):
+    """Names of the compiled metrics of ``model`` whose state reads the batch but not its sample weight.
+
+    ``y`` and ``y_pred`` are the batch's targets and the model's outputs
+    (arrays or ``jax.ShapeDtypeStruct`` pytrees). Each metric's update is
+    traced abstractly with the padding mask keras-tpu gives it as its
+    sample weight (see :func:`update_metrics`); a state variable computed
+    from the targets or outputs without that weight counts every row it is
+    given, padding rows too (a user's ``update_state`` that sums errors and
+    ignores ``sample_weight``). Keras' own metrics weigh every row. A
+    metric's count of the batch's rows from its shape alone is not seen
+    (no data dependence to trace). An empty list where the metrics are not
+    built yet (the caller keeps its default).
+
+    Example:
+        >>> class TotalError(keras.metrics.Metric):                                     # doctest: +SKIP
+        ...     def update_state(self, y_true, y_pred, sample_weight=None):
+        ...         self.total.assign_add(keras.ops.sum(keras.ops.abs(y_true - y_pred)))
+        >>> metrics_ignoring_sample_weight(model, y, y_pred)                            # doctest: +SKIP
+        ['total_error']
+    """
+    compiled = getattr(model, "_compile_metrics", None)
+    if compiled is None or not compiled.built:
+        return []
+    try:
+        flat_y, flat_pred = compiled._flatten_y(y), compiled._flatten_y(y_pred)
+    except (ValueError, TypeError, KeyError):
+        return []
+    found = []
+    for metrics in (compiled._flat_metrics, compiled._flat_weighted_metrics):
+        for metric, y_t, y_p in zip(metrics, flat_y, flat_pred):
+            for one in getattr(metric, "metrics", [metric]) if metric else ():  # (Keras' MetricsList)
+                if _ignores_sample_weight(one, y_t, y_p):
+                    found.append(one.name)
+    return found
+
+
+def _ignores_sample_weight(metric, y_true, y_pred):
+    """Whether ``metric``'s update counts rows its sample weight (the padding mask, as :func:`update_metrics`
+    gives it) leaves out: a state variable reads ``y_true`` or ``y_pred`` but not the weight, or adds a count of
+    the rows taken from the batch's shape (its increment, computed from no input, changes with the rows)."""
+    if getattr(metric, "_fn", None) is not None or not metric.variables:
+        return False  # a metric function Keras wraps weighs its values (a whole-batch value is warned about)
+    values = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in metric.variables]
+
+    def traced(rows):
+        abstract = [jax.ShapeDtypeStruct((rows,) + a.shape[1:], a.dtype) for a in (y_true, y_pred)]
+
+        def update(values, y_true, y_pred, row_mask):
+            weight = _padding_mask_for(metric, y_true, y_pred, row_mask)
+            return metric.stateless_update_state(values, y_true, y_pred, sample_weight=weight)
+
+        arguments = (values, *abstract, jax.ShapeDtypeStruct((rows,), "float32"))
+        return jax.make_jaxpr(update)(*arguments), jax.tree.leaves(arguments)
+
+    try:
+        program, arguments = traced(y_pred.shape[0])
+    except Exception:  # noqa: BLE001  (a metric that cannot be traced alone: its update in the step will say why)
+        return False
+    jaxpr = program.jaxpr
+    reads_batch = _outputs_reached(jaxpr, jaxpr.invars[len(values):-1])
+    reads_weight = _outputs_reached(jaxpr, jaxpr.invars[-1:])
+    if any(batch and not weight for batch, weight in zip(reads_batch, reads_weight)):
+        return True
+    unread = [i for i, (batch, weight) in enumerate(zip(reads_batch, reads_weight)) if not (batch or weight)]
+    if not unread:
+        return False
+    try:
+        other, other_arguments = traced(y_pred.shape[0] + 1)
+    except Exception:  # noqa: BLE001
+        return False
+
+    def increments(program, arguments):  # (from zeros: inputs these outputs do not read)
+        outputs = jex_core.jaxpr_as_fun(program)(*[jax.numpy.zeros(a.shape, a.dtype) for a in arguments])
+        return [np.asarray(outputs[i]) for i in unread]
+
+    return any(not np.array_equal(a, b) for a, b in zip(increments(program, arguments),
+                                                        increments(other, other_arguments)))
+
+
+def _outputs_reached(jaxpr, sources):
+    """For each output of ``jaxpr``, whether it is computed from any of the variables ``sources`` (an equation
+    with a reached input reaches all its outputs: conservative for nested programs)."""
+    reached = set(sources)
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, jex_core.Var) and v in reached for v in eqn.invars):
+            reached.update(eqn.outvars)
+    return [isinstance(v, jex_core.Var) and v in reached for v in jaxpr.outvars]
 
 
 def loss_forms(model, y, y_pred):
@@ -458,7 +555,7 @@ def _warn_batch_metric(metric):
 
 
 def overridden_methods(model, names):
-    """Which of the Keras ``Model`` methods ``names`` the model's own (non-Keras) classes replace."""
+    """Which of the methods ``names`` of a Keras object (a model, a loss) its own (non-Keras) classes replace."""
     return [name for name in names
             if any(name in vars(cls) for cls in type(model).__mro__
                    if not cls.__module__.startswith(("keras.", "keras_tpu.")))]

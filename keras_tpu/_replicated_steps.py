@@ -235,7 +235,7 @@ class ReplicatedSteps:
         self._tracing_layout = None  # the inference layout being traced (see tracing_inference_layout)
         self._core_forwards = {}  # one core's forward pass per input shape (see _core_forward)
         self._shared_traces = {}  # pieces of a step traced once, replayed (see _traced_once)
-        self._rows_reach_loss = {}  # why padding rows would reach the loss (or ''), per batch shape
+        self._padding_rows_count = {}  # why padding rows would count (or ''), per batch shape
         self.model = model
         self.layout = layout
         self.precision = canonical_precision(precision)
@@ -282,7 +282,7 @@ class ReplicatedSteps:
         self._refuse_stateful_layers()
         if "train_step" in self.custom:
             return self._state_kept_on_error("train", CustomSteps(self).function("train", steps_per_execution))
-        return self._state_kept_on_error("train", self._unless_rows_reach_the_loss(
+        return self._state_kept_on_error("train", self._unless_padding_rows_count(
             "train", steps_per_execution, _Program("train", self, steps_per_execution, self._device_train).run_for_logs))
 
     def test_function(self, steps_per_execution=1):
@@ -290,7 +290,7 @@ class ReplicatedSteps:
         self._refuse_stateful_layers()
         if "test_step" in self.custom:
             return self._state_kept_on_error("test", CustomSteps(self).function("test", steps_per_execution))
-        return self._state_kept_on_error("test", self._unless_rows_reach_the_loss(
+        return self._state_kept_on_error("test", self._unless_padding_rows_count(
             "test", steps_per_execution, _Program("test", self, steps_per_execution, self._device_test).run_for_logs))
 
     def _state_kept_on_error(self, mode, function):
@@ -315,14 +315,17 @@ class ReplicatedSteps:
 
         return step_function
 
-    def _unless_rows_reach_the_loss(self, mode, steps_per_execution, padded_function):
-        """``padded_function``, unless padding rows would reach the model's loss: it adds losses in ``call``
-        (``add_loss``, activity regularisers) or a compiled loss gives no value per row.
+    def _unless_padding_rows_count(self, mode, steps_per_execution, padded_function):
+        """``padded_function``, unless padding rows would count in the model's loss or metrics: it adds losses
+        in ``call`` (``add_loss``, activity regularisers), a compiled loss gives no value per row, or a compiled
+        metric ignores its sample weight.
 
         A loss added in ``call`` is computed by the user's layer from every row
         it is given, and a loss function that returns the batch's mean (as
         keras.io's siamese network's contrastive loss does) averages whatever
-        rows it gets, so no mask can keep padding rows out of either. Those
+        rows it gets, so no mask can keep padding rows out of either; nor out
+        of a user's metric whose ``update_state`` ignores ``sample_weight``
+        (the mask keras-tpu passes). Those
         models run Keras' own step on the cores without padding instead
         (:mod:`keras_tpu._custom_steps`: a batch that does not split evenly
         over the cores runs on the most cores that divide it), which is exact
@@ -341,7 +344,7 @@ class ReplicatedSteps:
                 except StopIteration:
                     raise StopIteration from None
                 iterator = itertools.chain([first], iterator)
-                why = self._rows_reach_the_loss(state, first)
+                why = self._why_padding_rows_count(state, first)
                 if why:
                     logger.info("%s %s: its %s steps run without padding rows, a partial batch on the cores that "
                                 "divide it.", self.model.name, why, mode)
@@ -352,11 +355,13 @@ class ReplicatedSteps:
 
         return function
 
-    def _rows_reach_the_loss(self, state, batch):
-        """Why padding rows of ``batch`` would reach the model's loss (see
-        :meth:`_unless_rows_reach_the_loss`), or ``""``: a forward pass on it
-        adds losses (weight regularisers excluded), or a compiled loss gives no
-        value per row (:func:`keras_tpu._keras_private.losses_not_per_row`).
+    def _why_padding_rows_count(self, state, batch):
+        """Why padding rows of ``batch`` would count in the model's loss or metrics (see
+        :meth:`_unless_padding_rows_count`), or ``""``: a forward pass on it
+        adds losses (weight regularisers excluded), a compiled loss gives no
+        value per row (:func:`keras_tpu._keras_private.losses_not_per_row`), or
+        a compiled metric's state reads the batch without its sample weight
+        (:func:`keras_tpu._keras_private.metrics_ignoring_sample_weight`).
 
         Traced abstractly on one core's rows, once per input shape, for the train and test programs alike.
         """
@@ -368,8 +373,8 @@ class ReplicatedSteps:
             lambda a: jax.ShapeDtypeStruct((core_rows,) + a.shape[1:], jnp.result_type(a)), batch))
         key = (id(getattr(model, "_compile_loss", None)),  # (recompiled with other losses: checked again)
                jax.tree.structure((x, y)), tuple((a.shape, a.dtype) for a in jax.tree.leaves((x, y))))
-        if key in self._rows_reach_loss:
-            return self._rows_reach_loss[key]
+        if key in self._padding_rows_count:
+            return self._padding_rows_count[key]
         added = []
 
         def forward(trainable, non_trainable, x):
@@ -382,12 +387,15 @@ class ReplicatedSteps:
             return outputs
 
         y_pred = jax.eval_shape(forward, _abstract(list(state[0])), _abstract(list(state[1])), x)
-        whole_batch = [] if y is None else _keras_private.losses_not_per_row(
-            model, _keras_private.targets_for_loss(model, y, y_pred), y_pred)
+        targets = None if y is None else _keras_private.targets_for_loss(model, y, y_pred)  # (the metrics' too)
+        whole_batch = [] if y is None else _keras_private.losses_not_per_row(model, targets, y_pred)
+        unweighted = [] if y is None else _keras_private.metrics_ignoring_sample_weight(model, targets, y_pred)
         why = ("adds losses in call() (add_loss or an activity regularizer)" if added[0] else
                f"has a loss that gives no value per row ({', '.join(whole_batch)}: the batch's mean, say)"
-               if whole_batch else "")
-        self._rows_reach_loss[key] = why
+               if whole_batch else
+               f"has a metric that ignores sample_weight ({', '.join(unweighted)}), where the TPU weighs its "
+               f"padding rows out" if unweighted else "")
+        self._padding_rows_count[key] = why
         return why
 
     def predict_function(self, steps_per_execution=1, purpose="predict"):

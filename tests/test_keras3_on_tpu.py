@@ -130,7 +130,7 @@ def test_whether_padding_rows_reach_the_loss_is_traced_once_per_batch_shape(data
     eval_shape = jax.eval_shape
 
     def counting(fn, *args, **kwargs):
-        if "_rows_reach_the_loss" in getattr(fn, "__qualname__", ""):
+        if "_why_padding_rows_count" in getattr(fn, "__qualname__", ""):
             checks.append(np.shape(args[-1]))
         return eval_shape(fn, *args, **kwargs)
 
@@ -171,6 +171,90 @@ def test_a_loss_returning_the_batch_mean_is_exact_on_partial_batches(front_end, 
                             (x[:, :1] > 0).astype("float32"), caplog)
     assert "has a loss that gives no value per row (contrastive_loss" in log
     assert all(text in log for text in expected)
+
+
+class ContrastiveLoss(keras.losses.Loss):
+    """keras.io's supervised contrastive learning writes its loss as a Loss that replaces ``__call__`` (Keras'
+    reduction): whatever its ``call`` would give, Keras never sees its values per row."""
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        return contrastive_loss(y_true, y_pred)
+
+
+def test_a_loss_replacing_keras_call_is_exact_on_partial_batches(data, caplog):
+    x, _ = data
+    log = fits_like_the_cpu(lambda scope: distance_model(ContrastiveLoss(name="supcon"), scope),
+                            "keras_to_tpu_model", x, (x[:, :1] > 0).astype("float32"), caplog)
+    assert "has a loss that gives no value per row (supcon" in log
+
+
+class TotalAbsoluteError(keras.metrics.Metric):
+    """A user's metric as often written: it sums what it is given and ignores ``sample_weight``."""
+
+    def __init__(self, name="total_abs_error", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.total = self.add_variable((), initializer="zeros", name="total")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.total.assign_add(keras.ops.sum(keras.ops.abs(y_true - y_pred)))
+
+    def result(self):
+        return keras.ops.convert_to_tensor(self.total)
+
+
+class RowsSeen(keras.metrics.Metric):
+    """Counts the rows of each batch from its shape alone (no value of the batch is read)."""
+
+    def __init__(self, name="rows_seen", per_step=False, **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.per_step = per_step
+        self.count = self.add_variable((), initializer="zeros", name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.count.assign_add(1.0 if self.per_step else keras.ops.cast(keras.ops.shape(y_pred)[0], "float32"))
+
+    def result(self):
+        return keras.ops.convert_to_tensor(self.count)
+
+
+@pytest.mark.parametrize("metric", [TotalAbsoluteError, RowsSeen])
+@pytest.mark.parametrize("front_end", ["TPUStrategy", "keras_to_tpu_model"])
+def test_metrics_that_ignore_sample_weight_count_only_the_real_rows(front_end, metric, data, caplog):
+    """keras-tpu weighs a padded batch's padding rows out of each metric by its sample weight; a metric that
+    ignores it would count them (128 rows for 100), so its steps run without padding rows."""
+    x, y = data
+
+    def build(scope):
+        keras.utils.set_random_seed(0)
+        with scope or contextlib.nullcontext():
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
+            model.compile(keras.optimizers.SGD(0.1), "mse", metrics=[metric(), "mae"])
+        return model
+
+    log = fits_like_the_cpu(build, front_end, x, y, caplog)
+    assert f"has a metric that ignores sample_weight ({metric().name})" in log
+
+
+def test_metrics_that_weigh_their_rows_or_count_steps_keep_the_padded_program(data, caplog):
+    """Keras' own metrics take the padding mask as their weight, and a count of steps counts as on the CPU: one
+    padded program serves every batch."""
+    x, y = data
+    keras.utils.set_random_seed(0)
+    # (Not R2Score: its state counts the batch's rows from their shape for its adjusted form, so it runs
+    # without padding rows.)
+    metrics = [RowsSeen(per_step=True), "mae", keras.metrics.MeanSquaredError(), keras.metrics.AUC(),
+               keras.metrics.Precision(), keras.metrics.CosineSimilarity()]
+    cpu = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2, activation="sigmoid")])
+    cpu.compile("sgd", "mse", metrics=metrics)
+    tpu = keras_tpu.keras_to_tpu_model(cpu, keras_tpu.TPUDistributionStrategy(precision="highest"))
+    labels = (y > 0).astype("float32")
+    with caplog.at_level(logging.INFO, logger="keras_tpu"):
+        got = tpu.evaluate(x, labels, batch_size=32, verbose=0, return_dict=True)
+    want = cpu.evaluate(x, labels, batch_size=32, verbose=0, return_dict=True)
+    assert got == pytest.approx(want, rel=1e-5)
+    assert got["rows_seen"] == 4  # steps
+    assert "without padding rows" not in caplog.text
+    assert caplog.text.count("Compiled the TPU test program") == 1
 
 
 def test_losses_with_a_value_per_row_keep_the_padded_program(data, caplog):
