@@ -113,7 +113,7 @@ def random_in_training(layer):
                (getattr(layer, name, 0) for name in _RATE_NAMES))
 
 
-def runs_on_the_whole_batch(model, mode):
+def runs_on_the_whole_batch(model, mode, loss_couples_rows=False):
     """Whether ``model``'s own ``mode`` step (``"train"``, ``"test"`` or ``"predict"``) runs once on all the
     cores' rows as one batch, rather than on each core's rows.
 
@@ -129,7 +129,11 @@ def runs_on_the_whole_batch(model, mode):
     cores twice, and a statistic over pairs of rows (keras.io DDIM's KID) was
     0/0 on cores of one row. The whole batch also runs faster: no core axis
     in every op, except for a model with convolutions, whose training step
-    keeps each core's rows for speed (see ``_CONVOLUTIONS``). At inference
+    keeps each core's rows for speed (see ``_CONVOLUTIONS``) unless
+    ``loss_couples_rows``: Keras' own step with a compiled loss that gives
+    one value for the batch (keras.io's supervised contrastive loss compares
+    every row with every other), which per core would be another loss than
+    the one the model evaluates with. At inference
     only random draws matter, and Keras' own layers draw none then; a layer
     of the user's own that owns a seed generator may draw in any step.
 
@@ -141,8 +145,9 @@ def runs_on_the_whole_batch(model, mode):
         (False, True)
     """
     training = mode == "train"
+    per_core_for_speed = () if loss_couples_rows else _CONVOLUTIONS
     return not any(training and (couples_rows_in_training(layer) or random_in_training(layer)
-                                 or _draws_unnamed(layer) or isinstance(layer, _CONVOLUTIONS))
+                                 or _draws_unnamed(layer) or isinstance(layer, per_core_for_speed))
                    or _draws_at_any_time(layer) for layer in [model] + _keras_private.all_layers(model))
 
 
@@ -258,10 +263,11 @@ class CustomSteps:
     Used by :class:`keras_tpu._replicated_steps.ReplicatedSteps` for the modes the model overrides.
     """
 
-    def __init__(self, steps):
+    def __init__(self, steps, loss_couples_rows=False):
         self.builder = steps
         self.model = steps.model
         self.layout = steps.layout
+        self.loss_couples_rows = loss_couples_rows  # (see runs_on_the_whole_batch)
         if self.layout.num_devices > 1:
             raise ValueError(
                 f"{type(self.model).__name__} has its own step methods, which keras_tpu runs on the cores of one "
@@ -278,7 +284,7 @@ class CustomSteps:
         """Whether the model's ``mode`` step runs on all the cores' rows as one batch (see
         :func:`runs_on_the_whole_batch`): decided once per mode."""
         if mode not in self._whole_batch:
-            self._whole_batch[mode] = runs_on_the_whole_batch(self.model, mode)
+            self._whole_batch[mode] = runs_on_the_whole_batch(self.model, mode, self.loss_couples_rows)
         return self._whole_batch[mode]
 
     def device_step(self, mode, cores):

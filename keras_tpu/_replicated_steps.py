@@ -344,11 +344,11 @@ class ReplicatedSteps:
                 except StopIteration:
                     raise StopIteration from None
                 iterator = itertools.chain([first], iterator)
-                why = self._why_padding_rows_count(state, first)
+                why, loss_couples_rows = self._why_padding_rows_count(state, first)
                 if why:
                     logger.info("%s %s: its %s steps run without padding rows, a partial batch on the cores that "
                                 "divide it.", self.model.name, why, mode)
-                    chosen.append(CustomSteps(self).function(mode, steps_per_execution))
+                    chosen.append(CustomSteps(self, loss_couples_rows).function(mode, steps_per_execution))
                 else:
                     chosen.append(padded_function)
             return chosen[0](state, iterator)
@@ -356,8 +356,10 @@ class ReplicatedSteps:
         return function
 
     def _why_padding_rows_count(self, state, batch):
-        """Why padding rows of ``batch`` would count in the model's loss or metrics (see
-        :meth:`_unless_padding_rows_count`), or ``""``: a forward pass on it
+        """``(why, loss_couples_rows)``: why padding rows of ``batch`` would count in the model's loss or metrics
+        (see :meth:`_unless_padding_rows_count`), or ``""``, and whether a compiled loss gives one value for the
+        batch rather than one per row (its steps run on the whole batch, see
+        :func:`keras_tpu._custom_steps.runs_on_the_whole_batch`). Why: a forward pass on it
         adds losses (weight regularisers excluded), a compiled loss gives no
         value per row (:func:`keras_tpu._keras_private.losses_not_per_row`), or
         a compiled metric's state reads the batch without its sample weight
@@ -395,8 +397,8 @@ class ReplicatedSteps:
                if whole_batch else
                f"has a metric that ignores sample_weight ({', '.join(unweighted)}), where the TPU weighs its "
                f"padding rows out" if unweighted else "")
-        self._padding_rows_count[key] = why
-        return why
+        self._padding_rows_count[key] = why, bool(whole_batch)
+        return self._padding_rows_count[key]
 
     def predict_function(self, steps_per_execution=1, purpose="predict"):
         """``(state, iterator) -> (outputs, state)``, for ``model.predict_function``. ``purpose`` names the

@@ -93,7 +93,7 @@ def steps_run_on(front_end, monkeypatch):
     the same steps: each path is tested once)."""
     if front_end == "keras_to_tpu_model":
         return "(global batch 4, 1 step(s) per call)", "rows as one batch"
-    monkeypatch.setattr(custom_steps, "runs_on_the_whole_batch", lambda model, mode: False)
+    monkeypatch.setattr(custom_steps, "runs_on_the_whole_batch", lambda model, mode, *args: False)
     return ("4 rows do not split evenly over 8",)
 
 
@@ -173,19 +173,42 @@ def test_a_loss_returning_the_batch_mean_is_exact_on_partial_batches(front_end, 
     assert all(text in log for text in expected)
 
 
-class ContrastiveLoss(keras.losses.Loss):
-    """keras.io's supervised contrastive learning writes its loss as a Loss that replaces ``__call__`` (Keras'
-    reduction): whatever its ``call`` would give, Keras never sees its values per row."""
+class PairwiseLoss(keras.losses.Loss):
+    """keras.io's supervised contrastive learning compares every row's output with every other row's, in a Loss
+    that replaces ``__call__`` (Keras' reduction): whatever its ``call`` would give, Keras never sees its values
+    per row. Here rows of one label are pulled together, others pushed a margin apart."""
 
     def __call__(self, y_true, y_pred, sample_weight=None):
-        return contrastive_loss(y_true, y_pred)
+        distance = keras.ops.abs(y_pred - keras.ops.transpose(y_pred))  # every pair of rows
+        same = keras.ops.cast(keras.ops.equal(y_true, keras.ops.transpose(y_true)), "float32")
+        return keras.ops.mean(same * keras.ops.square(distance)
+                              + (1 - same) * keras.ops.square(keras.ops.maximum(0.5 - distance, 0)))
 
 
 def test_a_loss_replacing_keras_call_is_exact_on_partial_batches(data, caplog):
     x, _ = data
-    log = fits_like_the_cpu(lambda scope: distance_model(ContrastiveLoss(name="supcon"), scope),
+    log = fits_like_the_cpu(lambda scope: distance_model(PairwiseLoss(name="supcon"), scope),
                             "keras_to_tpu_model", x, (x[:, :1] > 0).astype("float32"), caplog)
     assert "has a loss that gives no value per row (supcon" in log
+
+
+def test_a_convolutional_model_with_a_loss_of_the_whole_batch_trains_on_the_whole_batch(data, caplog):
+    """A convolutional model trains core by core for speed, but a loss of the whole batch (one comparing every
+    row with every other, as keras.io's supervised contrastive loss does) would then be each core's loss, not
+    the one the model evaluates with: it trains on the whole batch, as on the CPU."""
+    x, _ = data
+
+    def build(scope):
+        keras.utils.set_random_seed(0)
+        with scope or contextlib.nullcontext():
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Reshape((6, 1)),
+                                      keras.layers.Conv1D(4, 3, activation="tanh"), keras.layers.Flatten(),
+                                      keras.layers.Dense(1, activation="sigmoid")])
+            model.compile(keras.optimizers.RMSprop(0.01), PairwiseLoss(name="supcon"))
+        return model
+
+    log = fits_like_the_cpu(build, "keras_to_tpu_model", x, (x[:, :1] > 0).astype("float32"), caplog)
+    assert "rows as one batch" in log
 
 
 class TotalAbsoluteError(keras.metrics.Metric):
