@@ -236,6 +236,7 @@ class ReplicatedSteps:
         self._core_forwards = {}  # one core's forward pass per input shape (see _core_forward)
         self._shared_traces = {}  # pieces of a step traced once, replayed (see _traced_once)
         self._padding_rows_count = {}  # why padding rows would count (or ''), per batch shape
+        self._step_gradients = None  # a training step's gradients, while traced to be returned (see below)
         self.model = model
         self.layout = layout
         self.precision = canonical_precision(precision)
@@ -283,7 +284,8 @@ class ReplicatedSteps:
         if "train_step" in self.custom:
             return self._state_kept_on_error("train", CustomSteps(self).function("train", steps_per_execution))
         return self._state_kept_on_error("train", self._unless_padding_rows_count(
-            "train", steps_per_execution, _Program("train", self, steps_per_execution, self._device_train).run_for_logs))
+            "train", steps_per_execution,
+            _Program("train", self, steps_per_execution, self._device_train_returning_gradients).run_for_logs))
 
     def test_function(self, steps_per_execution=1):
         """``(state, iterator) -> (logs, state)``, for ``model.test_function``."""
@@ -458,6 +460,31 @@ class ReplicatedSteps:
     def _device_train(self, state, data, mask, real_rows):
         state = self._scan_steps(self.train_step, state, data, mask, real_rows)
         return _keras_private.metrics_result(self.model, state[3]), state
+
+    def _device_train_returning_gradients(self, state, data, mask, real_rows):
+        """``_device_train``'s ``(logs, state)`` and the large gradients the optimizer applied (a single step's,
+        of :attr:`RETURNED_GRADIENT_BYTES` or more; none where steps are scanned), for the host program to
+        return and drop.
+
+        The host's reason, not the TPU's (the HBM estimate traces ``_device_train``): XLA:CPU puts a program's
+        temporaries in one block mapped afresh for each run, so every page of a large gradient faults in again at
+        every step (the zoo's 100k x 64 embedding table: 25.6 MB); as an output each gradient gets a buffer of
+        its own, which the host's allocator reuses from step to step (the embedding model's step 22.6-27 ->
+        13-14 ms, plain Keras 23.7). The gradients come out of the one trace that sets the side list.
+        """
+        self._step_gradients = []
+        try:
+            logs, state = self._device_train(state, data, mask, real_rows)
+            gradients = self._step_gradients
+        finally:
+            self._step_gradients = None
+        large = [] if mask.shape[1] > 1 else [g for g in jax.tree.leaves(gradients[0])
+                                              if g.size * g.dtype.itemsize >= self.RETURNED_GRADIENT_BYTES]
+        return logs, state, large
+
+    #: Gradients from this size are returned by a training program (see _device_train_returning_gradients); a
+    #: thousand pages of 4 KiB faulted in per step and more.
+    RETURNED_GRADIENT_BYTES = 4 << 20
 
     def _device_test(self, state, data, mask, real_rows):
         state = self._scan_steps(self.test_step, state, data, mask, real_rows)
@@ -898,6 +925,8 @@ class ReplicatedSteps:
             (_, (unscaled, y_pred, new_non_trainable)), grads = jax.value_and_grad(mean_core_loss, has_aux=True)(
                 trainable)
         grads = layout.device_sum(grads)  # the all-reduce across devices (a pod's workers)
+        if self._step_gradients is not None:
+            self._step_gradients.append(grads)  # (see _device_train_returning_gradients)
         trainable, optimizer_values = self._traced_once("update", model.optimizer.stateless_apply, optimizer_values,
                                                         grads, trainable)
         if not merged:
@@ -1071,12 +1100,14 @@ class _Program:
                 return device_fn(state, *rest)
         else:
             step_fn = reading.step(copies, returns_copies=train)
-        outputs = (ROWS if self.mode == "predict" else REPLICATED, REPLICATED) + ((REPLICATED,) if copies and train
-                                                                                 else ())
+        # (logs or outputs, state), a training step's gradients (see _device_train_returning_gradients) and the
+        # weight copies it returns
+        outputs = ((ROWS if self.mode == "predict" else REPLICATED, REPLICATED) + ((REPLICATED,) if train else ())
+                   + ((REPLICATED,) if copies and train else ()))
         self._jitted[key] = jax.jit(
             self.layout.per_device(rewrite.transform(step_fn, self.builder.rule),
                                    in_specs=(REPLICATED, REPLICATED) + self._ARGUMENT_SPECS[1:], out_specs=outputs),
-            donate_argnums=(0, 1) if len(outputs) == 3 else 0)
+            donate_argnums=(0, 1) if copies and train else 0)
         return self._jitted[key]
 
     def _place(self, state, stacked, returned):
@@ -1223,10 +1254,15 @@ class _Program:
         self._cores_layout, self._trial = chosen, None
 
     def _kept_copies(self, result):
-        """``(outputs or logs, state)`` of a program's result; the bfloat16 copies it read, or those a training
-        step returned of the weights it wrote, are kept for the next call."""
+        """``(outputs or logs, state)`` of a program's result (a training step's gradients dropped); the bfloat16
+        copies it read, or those a training step returned of the weights it wrote, are kept for the next call."""
         if self.rounds_weights:
-            self._copies.returned(jax.tree.leaves(result[1][0]), result[2] if len(result) == 3 else None)
+            returned = result[3] if self.mode == "train" and len(result) == 4 else None
+            self._copies.returned(jax.tree.leaves(result[1][0]), returned)
+        if self.mode == "train" and result[2]:
+            # A step with large gradients of its own runs alone: a second in flight holds a second set (the
+            # embedding model peaked at 538 MiB with two, 496 with one, plain Keras 512-522; as fast).
+            self._in_flight.limit = 1
         return result[:2]
 
     def run_for_logs(self, state, iterator):

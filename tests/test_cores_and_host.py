@@ -110,6 +110,51 @@ print("DEVICES", len(jax.devices()), "POOL AT MOST CORES", pool <= max(os.cpu_co
     assert "DEVICES 8" in result.stdout, result.stderr
 
 
+def test_a_large_gradient_leaves_the_training_program_as_its_own_buffer_and_steps_run_alone(monkeypatch):
+    # XLA:CPU maps a program's temporaries afresh for each run: a large gradient (an embedding table's) held
+    # there faults in again at every step. The training program returns it instead, in a buffer the host's
+    # allocator reuses, and runs one step at a time (two in flight would hold two); the numbers are the CPU's.
+    import re
+
+    import keras
+    import numpy as np
+
+    import keras_tpu
+    from keras_tpu import _cores
+    from keras_tpu._placement import installed_on
+    from tests.tpu_helpers import assert_weights_close
+
+    queued = []
+    original_add = _cores.ProgramsInFlight.add
+
+    def add(self, outputs):
+        original_add(self, outputs)
+        queued.append(len(self))
+
+    monkeypatch.setattr(_cores.ProgramsInFlight, "add", add)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,), dtype="int32"), keras.layers.Embedding(20_000, 64),
+                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)])
+        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 20_000, (200, 8)).astype("int32"), rng.integers(0, 2, (200,))
+    cpu, tpu = build(), keras_tpu.keras_to_tpu_model(build(), keras_tpu.TPUDistributionStrategy(precision="highest"))
+    np.testing.assert_allclose(tpu.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history["loss"],
+                               cpu.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history["loss"],
+                               rtol=1e-5)
+    assert_weights_close(tpu.get_weights(), cpu.get_weights(), atol=1e-6)
+    assert max(queued[1:]) == 1  # (the first step finds out)
+    program = installed_on(tpu).steps.last_programs["train"]
+    assert program._in_flight.limit == 1
+    for executable in program._executables.values():  # (a full batch's program and the last one's)
+        layout = re.search(r"entry_computation_layout=\{\((.*)\)->\((.*)\)\}", executable.as_text()).group(2)
+        assert layout.count("f32[20000,64]") == 4, layout  # the table and Adam's two slots, and its gradient
+
+
 @pytest.mark.slow
 def test_keras_on_another_backend_is_refused_with_instructions():
     result = run_python("import keras_tpu", env={"KERAS_BACKEND": "torch"})
