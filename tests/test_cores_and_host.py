@@ -120,18 +120,10 @@ def test_a_large_gradient_leaves_the_training_program_as_its_own_buffer_and_step
     import numpy as np
 
     import keras_tpu
-    from keras_tpu import _cores
     from keras_tpu._placement import installed_on
     from tests.tpu_helpers import assert_weights_close
 
-    queued = []
-    original_add = _cores.ProgramsInFlight.add
-
-    def add(self, outputs):
-        original_add(self, outputs)
-        queued.append(len(self))
-
-    monkeypatch.setattr(_cores.ProgramsInFlight, "add", add)
+    queued = programs_in_flight_per_call(monkeypatch)
 
     def build():
         keras.utils.set_random_seed(0)
@@ -162,12 +154,9 @@ def test_keras_on_another_backend_is_refused_with_instructions():
     assert "KERAS_BACKEND=jax" in result.stderr
 
 
-def test_a_fit_keeps_at_most_two_programs_in_flight(monkeypatch):
-    # Queued programs hold their batches: a long fit() must wait for its older steps (the MLP zoo model's peak
-    # memory 720 -> 614 MiB), however fast the host dispatches them.
-    import keras_tpu
+def programs_in_flight_per_call(monkeypatch):
+    """A list that gets, at each program dispatched, how many programs are then in flight."""
     from keras_tpu import _cores
-    from tests.tpu_helpers import classification_data, small_classifier
 
     queued = []
     original_add = _cores.ProgramsInFlight.add
@@ -177,6 +166,16 @@ def test_a_fit_keeps_at_most_two_programs_in_flight(monkeypatch):
         queued.append(len(self))
 
     monkeypatch.setattr(_cores.ProgramsInFlight, "add", add)
+    return queued
+
+
+def test_a_fit_keeps_at_most_two_programs_in_flight(monkeypatch):
+    # Queued programs hold their batches: a long fit() must wait for its older steps (the MLP zoo model's peak
+    # memory 720 -> 614 MiB), however fast the host dispatches them.
+    import keras_tpu
+    from tests.tpu_helpers import classification_data, small_classifier
+
+    queued = programs_in_flight_per_call(monkeypatch)
     x, y = classification_data(512)
     model = keras_tpu.keras_to_tpu_model(small_classifier())
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
