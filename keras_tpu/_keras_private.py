@@ -306,10 +306,10 @@ def metrics_ignoring_sample_weight(model, y, y_pred):
     sample weight (see :func:`update_metrics`); a state variable computed
     from the targets or outputs without that weight counts every row it is
     given, padding rows too (a user's ``update_state`` that sums errors and
-    ignores ``sample_weight``). Keras' own metrics weigh every row. A
-    metric's count of the batch's rows from its shape alone is not seen
-    (no data dependence to trace). An empty list where the metrics are not
-    built yet (the caller keeps its default).
+    ignores ``sample_weight``), and so does one that adds a count of the
+    rows taken from the batch's shape (its increment, traced at two row
+    counts, changes with them). Keras' own metrics weigh every row. An empty
+    list where the metrics are not built yet (the caller keeps its default).
 
     Example:
         >>> class TotalError(keras.metrics.Metric):                                     # doctest: +SKIP
