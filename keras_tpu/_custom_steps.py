@@ -53,6 +53,7 @@ import time
 import jax
 import jax.numpy as jnp
 import keras
+import numpy as np
 from jax import lax
 from keras import tree
 
@@ -113,7 +114,7 @@ def random_in_training(layer):
                (getattr(layer, name, 0) for name in _RATE_NAMES))
 
 
-def runs_on_the_whole_batch(model, mode, loss_couples_rows=False):
+def runs_on_the_whole_batch(model, mode, couples_rows=False):
     """Whether ``model``'s own ``mode`` step (``"train"``, ``"test"`` or ``"predict"``) runs once on all the
     cores' rows as one batch, rather than on each core's rows.
 
@@ -130,10 +131,11 @@ def runs_on_the_whole_batch(model, mode, loss_couples_rows=False):
     0/0 on cores of one row. The whole batch also runs faster: no core axis
     in every op, except for a model with convolutions, whose training step
     keeps each core's rows for speed (see ``_CONVOLUTIONS``) unless
-    ``loss_couples_rows``: Keras' own step with a compiled loss that gives
+    ``couples_rows``: Keras' own step with a compiled loss that gives
     one value for the batch (keras.io's supervised contrastive loss compares
-    every row with every other), which per core would be another loss than
-    the one the model evaluates with. At inference
+    every row with every other), or a model whose own code makes its rows
+    interact (:func:`rows_interact`), which per core would train another
+    model than the one that evaluates. At inference
     only random draws matter, and Keras' own layers draw none then; a layer
     of the user's own that owns a seed generator may draw in any step.
 
@@ -145,7 +147,7 @@ def runs_on_the_whole_batch(model, mode, loss_couples_rows=False):
         (False, True)
     """
     training = mode == "train"
-    per_core_for_speed = () if loss_couples_rows else _CONVOLUTIONS
+    per_core_for_speed = () if couples_rows else _CONVOLUTIONS
     return not any(training and (couples_rows_in_training(layer) or random_in_training(layer)
                                  or _draws_unnamed(layer) or isinstance(layer, per_core_for_speed))
                    or _draws_at_any_time(layer) for layer in [model] + _keras_private.all_layers(model))
@@ -169,6 +171,62 @@ def _draws_at_any_time(layer):
     # A layer (or model) of the user's own with a seed generator may draw in any step (keras.io VAE's Sampling, a
     # GAN's latent vectors); Keras' own layers draw in training only, their rate named (see random_in_training).
     return bool(_keras_private.seed_generators(layer)) and type(layer).__module__.split(".")[0] != "keras"
+
+
+def runs_own_code(layer):
+    """Whether ``layer`` (or model) runs code of the user's own in ``call``: a subclassed layer or model, or a
+    ``Lambda`` layer's function. Keras' own layers compute each row from that row alone at inference.
+
+    Example:
+        >>> runs_own_code(keras.layers.Dense(2)), runs_own_code(keras.layers.Lambda(lambda x: x))
+        (False, True)
+    """
+    return isinstance(layer, keras.layers.Lambda) or type(layer).call.__module__.split(".")[0] != "keras"
+
+
+def rows_interact(model, trainable, non_trainable, x):
+    """Whether a row of ``model``'s outputs at inference depends on the batch's other rows, found by running it
+    on two rows of ``x`` (a batch of real inputs): the first row with another, and the first row with the
+    padding row keras-tpu would add, a copy of it (:mod:`keras_tpu._batching`). Models of Keras' own layers
+    are not run: their rows do not interact at inference.
+
+    keras.io's collaborative filtering model sums ``ops.tensordot(user, movie, 2)``
+    over the whole batch and adds it to every row: a padding row would enter
+    that sum. Runs the float32 forward pass of a two-row batch on the host,
+    once per input shape; a batch whose rows are all alike says nothing, and
+    counts as rows that do not interact, as does a model that fails to run on
+    two rows.
+
+    Example:
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Lambda(lambda v: v - keras.ops.mean(v, 0))])
+        >>> rows_interact(model, [], [], np.arange(6.0, dtype="float32").reshape(2, 3))
+        True
+    """
+    if not any(runs_own_code(layer) for layer in [model] + _keras_private.all_layers(model)):
+        return False
+    leaves = [np.asarray(leaf) for leaf in tree.flatten(x)]
+    other = next((row for row in range(1, len(leaves[0]))
+                  if any(not np.array_equal(leaf[row], leaf[0]) for leaf in leaves)), None)
+    if other is None:
+        return False
+
+    @jax.jit
+    def forward(trainable, non_trainable, x):
+        # (Not stateless_call, which passes `training` to a call() that may not take it.)
+        mapping = list(zip(model.trainable_variables, trainable)) + list(zip(model.non_trainable_variables,
+                                                                             non_trainable))
+        with keras.StatelessScope(state_mapping=mapping):
+            return model(x, training=False)
+
+    try:
+        with_other, with_padding = (forward(trainable, non_trainable, tree.map_structure(lambda a: a[rows], x))
+                                    for rows in ([0, other], [0, 0]))
+    except Exception as error:  # (a model written for one batch size, say: the probe then says nothing)
+        logger.debug("%s did not run on two rows (%s: %s); taken as a model whose rows do not interact.",
+                     model.name, type(error).__name__, error)
+        return False
+    return not all(np.array_equal(np.asarray(a)[0], np.asarray(b)[0], equal_nan=True)
+                   for a, b in zip(tree.flatten(with_other), tree.flatten(with_padding)))
 
 
 def cores_for_rows(rows, num_cores):
@@ -263,11 +321,11 @@ class CustomSteps:
     Used by :class:`keras_tpu._replicated_steps.ReplicatedSteps` for the modes the model overrides.
     """
 
-    def __init__(self, steps, loss_couples_rows=False):
+    def __init__(self, steps, couples_rows=False):
         self.builder = steps
         self.model = steps.model
         self.layout = steps.layout
-        self.loss_couples_rows = loss_couples_rows  # (see runs_on_the_whole_batch)
+        self.couples_rows = couples_rows  # (see runs_on_the_whole_batch)
         if self.layout.num_devices > 1:
             raise ValueError(
                 f"{type(self.model).__name__} has its own step methods, which keras_tpu runs on the cores of one "
@@ -284,7 +342,7 @@ class CustomSteps:
         """Whether the model's ``mode`` step runs on all the cores' rows as one batch (see
         :func:`runs_on_the_whole_batch`): decided once per mode."""
         if mode not in self._whole_batch:
-            self._whole_batch[mode] = runs_on_the_whole_batch(self.model, mode, self.loss_couples_rows)
+            self._whole_batch[mode] = runs_on_the_whole_batch(self.model, mode, self.couples_rows)
         return self._whole_batch[mode]
 
     def device_step(self, mode, cores):
@@ -512,4 +570,5 @@ class _CustomProgram:
 
 
 __all__ = ["CustomSteps", "cores_for_rows", "couples_rows_in_training", "custom_step_methods",
-           "gradients_summed_over_cores", "random_in_training", "runs_on_the_whole_batch"]
+           "gradients_summed_over_cores", "random_in_training", "rows_interact", "runs_on_the_whole_batch",
+           "runs_own_code"]

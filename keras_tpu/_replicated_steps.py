@@ -65,7 +65,8 @@ from keras_tpu import _keras_private, _hbm as hbm, _host as host, _pod as pod, _
 from keras_tpu._logging import logger
 from keras_tpu._batching import BatchStacker, describe_input_shapes, same_shape_runs, unstack_outputs
 from keras_tpu._cores import REPLICATED, ROWS, CoreLayout, ProgramsInFlight, same_arrays
-from keras_tpu._custom_steps import CustomSteps, couples_rows_in_training, custom_step_methods, random_in_training
+from keras_tpu._custom_steps import (CustomSteps, couples_rows_in_training, custom_step_methods, random_in_training,
+                                     rows_interact)
 from keras_tpu.mxu import _kernels as kernels
 from keras_tpu.mxu._numerics import Precision, canonical_precision
 from keras_tpu.mxu._routing import mxu_rule
@@ -236,6 +237,7 @@ class ReplicatedSteps:
         self._core_forwards = {}  # one core's forward pass per input shape (see _core_forward)
         self._shared_traces = {}  # pieces of a step traced once, replayed (see _traced_once)
         self._padding_rows_count = {}  # why padding rows would count (or ''), per batch shape
+        self._rows_interact = {}  # whether the model's rows interact at inference (rows_interact), per input shape
         self._step_gradients = None  # a training step's gradients, while traced to be returned (see below)
         self.model = model
         self.layout = layout
@@ -278,14 +280,17 @@ class ReplicatedSteps:
                 f"stateful=False (as Cloud TPU's Shakespeare notebook does), save its weights, and load them into "
                 f"the stateful model on the CPU for generation.")
 
-    def train_function(self, steps_per_execution=1):
-        """``(state, iterator) -> (logs, state)``, for ``model.train_function``."""
+    def train_function(self, steps_per_execution=1, graph_per_core=False):
+        """``(state, iterator) -> (logs, state)``, for ``model.train_function``. ``graph_per_core``: the model is
+        a ``TPUEstimator``'s graph, whose rows interact on each core as TensorFlow's do on a TPU core (its loss
+        is the core's mean), so they are not probed (see :meth:`_why_padding_rows_count`)."""
         self._refuse_stateful_layers()
         if "train_step" in self.custom:
             return self._state_kept_on_error("train", CustomSteps(self).function("train", steps_per_execution))
         return self._state_kept_on_error("train", self._unless_padding_rows_count(
             "train", steps_per_execution,
-            _Program("train", self, steps_per_execution, self._device_train_returning_gradients).run_for_logs))
+            _Program("train", self, steps_per_execution, self._device_train_returning_gradients).run_for_logs,
+            probe_rows=not graph_per_core))
 
     def test_function(self, steps_per_execution=1):
         """``(state, iterator) -> (logs, state)``, for ``model.test_function``."""
@@ -317,10 +322,10 @@ class ReplicatedSteps:
 
         return step_function
 
-    def _unless_padding_rows_count(self, mode, steps_per_execution, padded_function):
-        """``padded_function``, unless padding rows would count in the model's loss or metrics: it adds losses
-        in ``call`` (``add_loss``, activity regularisers), a compiled loss gives no value per row, or a compiled
-        metric ignores its sample weight.
+    def _unless_padding_rows_count(self, mode, steps_per_execution, padded_function, probe_rows=True):
+        """``padded_function``, unless padding rows would count in the model's outputs, loss or metrics: its own
+        code makes its rows interact, it adds losses in ``call`` (``add_loss``, activity regularisers), a
+        compiled loss gives no value per row, or a compiled metric ignores its sample weight.
 
         A loss added in ``call`` is computed by the user's layer from every row
         it is given, and a loss function that returns the batch's mean (as
@@ -334,8 +339,13 @@ class ReplicatedSteps:
         for losses averaged over the rows, as Keras' activity regularisers are
         (the cores' mean of their rows' means is the batch's), and for losses
         added per row, which Keras sums (each core's sum counts in full, see
-        :mod:`keras_tpu._custom_steps`). Decided on the first batch, whose
-        shapes the check traces (no compute).
+        :mod:`keras_tpu._custom_steps`). A model whose rows interact (keras.io's
+        collaborative filtering sums a product over the batch) runs on the
+        whole batch, as on the CPU, where its rows on the cores would change
+        what it computes and padding rows would enter it. Decided on the first
+        batch, whose shapes the checks trace (no compute, but for a model of
+        the user's own code, which runs on two of its rows: see
+        :func:`keras_tpu._custom_steps.rows_interact`).
         """
         chosen = []
 
@@ -346,29 +356,45 @@ class ReplicatedSteps:
                 except StopIteration:
                     raise StopIteration from None
                 iterator = itertools.chain([first], iterator)
-                why, loss_couples_rows = self._why_padding_rows_count(state, first)
+                why, couples_rows = self._why_padding_rows_count(mode, state, first, probe_rows)
                 if why:
-                    logger.info("%s %s: its %s steps run without padding rows, a partial batch on the cores that "
-                                "divide it.", self.model.name, why, mode)
-                    chosen.append(CustomSteps(self, loss_couples_rows).function(mode, steps_per_execution))
+                    custom = CustomSteps(self, couples_rows)
+                    logger.info("%s %s: its %s steps run without padding rows, %s.", self.model.name, why, mode,
+                                "on the whole batch, as on the CPU" if custom.runs_on_the_whole_batch(mode) else
+                                "a partial batch on the cores that divide it")
+                    chosen.append(custom.function(mode, steps_per_execution))
                 else:
                     chosen.append(padded_function)
             return chosen[0](state, iterator)
 
         return function
 
-    def _why_padding_rows_count(self, state, batch):
-        """``(why, loss_couples_rows)``: why padding rows of ``batch`` would count in the model's loss or metrics
-        (see :meth:`_unless_padding_rows_count`), or ``""``, and whether a compiled loss gives one value for the
-        batch rather than one per row (its steps run on the whole batch, see
-        :func:`keras_tpu._custom_steps.runs_on_the_whole_batch`). Why: a forward pass on it
-        adds losses (weight regularisers excluded), a compiled loss gives no
-        value per row (:func:`keras_tpu._keras_private.losses_not_per_row`), or
-        a compiled metric's state reads the batch without its sample weight
+    def _why_padding_rows_count(self, mode, state, batch, probe_rows=True):
+        """``(why, couples_rows)``: why padding rows of ``batch`` would count in the model's outputs, loss or
+        metrics (see :meth:`_unless_padding_rows_count`), or ``""``, and whether the model's rows interact
+        through its code or a compiled loss that gives one value for the batch rather than one per row (its
+        steps run on the whole batch, see :func:`keras_tpu._custom_steps.runs_on_the_whole_batch`). Why: the
+        model's own code makes a row's outputs depend on other rows
+        (:func:`keras_tpu._custom_steps.rows_interact`, run once per input
+        shape), a forward pass on it adds losses (weight regularisers
+        excluded), a compiled loss gives no value per row
+        (:func:`keras_tpu._keras_private.losses_not_per_row`), or a compiled
+        metric's state reads the batch without its sample weight
         (:func:`keras_tpu._keras_private.metrics_ignoring_sample_weight`).
 
-        Traced abstractly on one core's rows, once per input shape, for the train and test programs alike.
+        The losses and metrics are traced abstractly on one core's rows, once per input shape, for the train and
+        test programs alike; a predict program asks only whether rows interact.
         """
+        x = keras.utils.unpack_x_y_sample_weight(batch)[0]
+        shapes = jax.tree.structure(x), tuple((np.shape(a), jnp.result_type(a)) for a in jax.tree.leaves(x))
+        if probe_rows and shapes not in self._rows_interact:
+            # A pod's workers cannot run a step without padding (keras_tpu._custom_steps): they keep the padded one.
+            self._rows_interact[shapes] = self.layout.num_devices == 1 and rows_interact(
+                self.model, list(state[0]), list(state[1]), x)
+        if probe_rows and self._rows_interact[shapes]:
+            return "makes its rows interact (a row's output depends on the batch's other rows)", True
+        if mode == "predict":
+            return "", False
         model = self.model
         # One core's rows, as each core runs them (a graph with a static per-core batch, TPUEstimator's, takes
         # no other).
@@ -402,14 +428,18 @@ class ReplicatedSteps:
         self._padding_rows_count[key] = why, bool(whole_batch)
         return self._padding_rows_count[key]
 
-    def predict_function(self, steps_per_execution=1, purpose="predict"):
+    def predict_function(self, steps_per_execution=1, purpose="predict", graph_per_core=False):
         """``(state, iterator) -> (outputs, state)``, for ``model.predict_function``. ``purpose`` names the
-        program in the log (the estimator evaluates with a program of this kind: its outputs per row)."""
+        program in the log (the estimator evaluates with a program of this kind: its outputs per row);
+        ``graph_per_core`` as for :meth:`train_function` (a padded program)."""
         self._refuse_stateful_layers()
         if "predict_step" in self.custom:
             return self._state_kept_on_error("predict", CustomSteps(self).function("predict", steps_per_execution))
         program = _Program("predict", self, steps_per_execution, self._device_predict, purpose=purpose)
-        return self._state_kept_on_error("predict", program.run_for_outputs)
+        if graph_per_core:
+            return self._state_kept_on_error("predict", program.run_for_outputs)
+        return self._state_kept_on_error("predict", self._unless_padding_rows_count(
+            "predict", steps_per_execution, program.run_for_outputs))
 
     @property
     def global_batch(self):

@@ -1446,7 +1446,7 @@ class TPUEstimator:
         model.optimizer.build(model.trainable_variables)
         model.optimizer.iterations.assign(global_step)
         loop_size = self.iterations_per_loop if target is None else min(self.iterations_per_loop, target - global_step)
-        train_function = self._steps(model, ModeKeys.TRAIN).train_function(loop_size)
+        train_function = self._steps(model, ModeKeys.TRAIN).train_function(loop_size, graph_per_core=True)
         state = tuple([v.value for v in vs] for vs in (model.trainable_variables, model.non_trainable_variables,
                                                         model.optimizer.variables, model.metrics_variables))
         save_secs = self.config.save_checkpoints_secs
@@ -1537,7 +1537,7 @@ class TPUEstimator:
                          None) for _, (f, l) in run]
                 if rows not in functions:
                     functions[rows] = steps_of_model.predict_function(
-                        loop_size, purpose="evaluation" if mode == ModeKeys.EVAL else "predict")
+                        loop_size, purpose="evaluation" if mode == ModeKeys.EVAL else "predict", graph_per_core=True)
                 outputs, state = functions[rows](state, iter(feed))
                 parts.append({key: np.asarray(value) for key, value in outputs.items()})
             outputs = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}

@@ -211,6 +211,95 @@ def test_a_convolutional_model_with_a_loss_of_the_whole_batch_trains_on_the_whol
     assert "rows as one batch" in log
 
 
+class Recommender(keras.Model):
+    """keras.io's collaborative filtering model (``RecommenderNet``): ``ops.tensordot(user, movie, 2)`` sums the
+    products of every row's embeddings into one number, which every row's output adds: its rows interact."""
+
+    def __init__(self):
+        super().__init__()
+        self.user_embedding = keras.layers.Embedding(20, 4, embeddings_regularizer=keras.regularizers.L2(1e-3))
+        self.user_bias = keras.layers.Embedding(20, 1)
+        self.movie_embedding = keras.layers.Embedding(30, 4)
+        self.movie_bias = keras.layers.Embedding(30, 1)
+
+    def call(self, inputs):
+        users, movies = inputs[:, 0], inputs[:, 1]
+        dot = keras.ops.tensordot(self.user_embedding(users), self.movie_embedding(movies), 2)
+        return keras.ops.sigmoid(dot + self.user_bias(users) + self.movie_bias(movies))
+
+
+def recommender(scope=None):
+    keras.utils.set_random_seed(0)
+    with scope or contextlib.nullcontext():
+        model = Recommender()
+        model.compile(keras.optimizers.Adam(0.01), keras.losses.BinaryCrossentropy(), metrics=["mae"])
+        model(np.zeros((1, 2), "int32"))
+    return model
+
+
+@pytest.fixture
+def ratings():
+    rng = np.random.default_rng(1)
+    pairs = np.stack([rng.integers(0, 20, 100), rng.integers(0, 30, 100)], axis=1).astype("int64")
+    return pairs, rng.random((100, 1)).astype("float32")
+
+
+@pytest.mark.parametrize("front_end", ["TPUStrategy", "keras_to_tpu_model"])
+def test_a_model_whose_rows_interact_runs_on_the_whole_batch_without_padding(front_end, ratings, caplog):
+    """On each core's rows the sum would be each core's, and a padding row (a copy of the first row) would enter
+    it: the model trains, evaluates and predicts on the whole batch, as on the CPU, partial batches included,
+    and its predictions do not depend on the batches an earlier call compiled programs for."""
+    x, y = ratings
+    log = fits_like_the_cpu(recommender, front_end, x, y, caplog)
+    assert "makes its rows interact" in log and "on the whole batch, as on the CPU" in log
+    assert "Compiled the TPU train program (global batch 4," in log  # the partial batch: its own rows
+    cpu = recommender()
+    for front in ("first", "second"):
+        if front_end == "TPUStrategy":
+            tpu = recommender(keras_tpu.TPUStrategy(precision="highest").scope())
+        else:
+            tpu = keras_tpu.keras_to_tpu_model(recommender(), keras_tpu.TPUDistributionStrategy(precision="highest"))
+        if front == "second":
+            tpu.predict(x[:64], batch_size=64, verbose=0)  # a larger program first
+        np.testing.assert_allclose(tpu.predict(x[:32], batch_size=32, verbose=0),
+                                   cpu.predict(x[:32], batch_size=32, verbose=0), rtol=1e-6)
+
+
+def test_models_of_the_user_s_own_code_whose_rows_do_not_interact_keep_the_padded_program(ratings, caplog):
+    """A subclassed model computing each row from that row alone keeps one padded program for every batch."""
+    x, y = ratings
+
+    class RowWise(Recommender):
+        def call(self, inputs):
+            users, movies = inputs[:, 0], inputs[:, 1]
+            dot = keras.ops.sum(self.user_embedding(users) * self.movie_embedding(movies), axis=-1, keepdims=True)
+            return keras.ops.sigmoid(dot + self.user_bias(users) + self.movie_bias(movies))
+
+    keras.utils.set_random_seed(0)
+    model = RowWise()
+    model.compile("adam", "binary_crossentropy")
+    model(x[:1])
+    tpu = keras_tpu.keras_to_tpu_model(model)
+    with caplog.at_level(logging.INFO, logger="keras_tpu"):
+        tpu.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        tpu.predict(x, batch_size=32, verbose=0)
+    assert "rows interact" not in caplog.text and "without padding rows" not in caplog.text
+    assert caplog.text.count("Compiled the TPU train program (global batch 32,") == 1
+    assert caplog.text.count("Compiled the TPU predict program (global batch 32,") == 1
+
+
+def test_whether_rows_interact_is_found_by_running_two_rows():
+    mean_removed = keras.Sequential([keras.Input((3,)), keras.layers.Lambda(lambda v: v - keras.ops.mean(v, 0))])
+    doubled = keras.Sequential([keras.Input((3,)), keras.layers.Lambda(lambda v: 2 * v)])
+    rows = np.arange(12.0, dtype="float32").reshape(4, 3)
+    assert custom_steps.rows_interact(mean_removed, [], [], rows)
+    assert not custom_steps.rows_interact(doubled, [], [], rows)
+    # Rows all alike say nothing; a model of Keras' own layers is not run.
+    assert not custom_steps.rows_interact(mean_removed, [], [], np.ones((4, 3), "float32"))
+    dense = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    assert not custom_steps.runs_own_code(dense) and not custom_steps.rows_interact(dense, None, None, rows)
+
+
 class TotalAbsoluteError(keras.metrics.Metric):
     """A user's metric as often written: it sums what it is given and ignores ``sample_weight``."""
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import keras_tpu
-from keras_tpu import _checkpoints as checkpoints
+from keras_tpu import _checkpoints as checkpoints, _replicated_steps as replicated_steps
 from keras_tpu import estimator as tpu_estimator
 from tests.conftest import REPO
 
@@ -236,7 +236,12 @@ def batch_loss_model_fn(features, labels, mode, params):
 
 
 @pytest.mark.parametrize("weighted", [False, True])
-def test_evaluation_runs_each_cores_batch_so_batch_losses_are_tensorflows(tmp_path, weighted):
+def test_evaluation_runs_each_cores_batch_so_batch_losses_are_tensorflows(tmp_path, weighted, monkeypatch):
+    # The graph's rows interact (its loss is the batch's): on each core's rows, as TensorFlow's, never probed
+    # (keras_tpu._custom_steps.rows_interact) and taken off the padded programs.
+    probed = []
+    monkeypatch.setattr(replicated_steps, "rows_interact", lambda *args: probed.append(args) or True)
+
     def estimator(use_tpu, batch=64):
         config = tpu_estimator.RunConfig(model_dir=str(tmp_path), tf_random_seed=0,
                                          tpu_config=tpu_estimator.TPUConfig(iterations_per_loop=4, num_shards=8))
@@ -268,6 +273,7 @@ def test_evaluation_runs_each_cores_batch_so_batch_losses_are_tensorflows(tmp_pa
                  for w, e in ((weights[:64], xent[:64]), (weights[64:], xent[64:]))]
     expected = (per_batch[0] + per_batch[1]) / 2  # TensorFlow's metrics.mean(loss): one weight per batch
     assert on_cpu.evaluate(lambda params: (x[:100], y[:100]))["loss"] == pytest.approx(expected, rel=1e-5)
+    assert not probed
 
 
 def test_evaluation_tensors_keep_the_batch_and_a_partly_padded_core_is_named(tmp_path, caplog):
