@@ -114,7 +114,7 @@ def random_in_training(layer):
                (getattr(layer, name, 0) for name in _RATE_NAMES))
 
 
-def runs_on_the_whole_batch(model, mode, couples_rows=False):
+def runs_on_the_whole_batch(model, mode, loss_couples_rows=False):
     """Whether ``model``'s own ``mode`` step (``"train"``, ``"test"`` or ``"predict"``) runs once on all the
     cores' rows as one batch, rather than on each core's rows.
 
@@ -131,11 +131,10 @@ def runs_on_the_whole_batch(model, mode, couples_rows=False):
     0/0 on cores of one row. The whole batch also runs faster: no core axis
     in every op, except for a model with convolutions, whose training step
     keeps each core's rows for speed (see ``_CONVOLUTIONS``) unless
-    ``couples_rows``: Keras' own step with a compiled loss that gives
+    ``loss_couples_rows``: Keras' own step with a compiled loss that gives
     one value for the batch (keras.io's supervised contrastive loss compares
-    every row with every other), or a model whose own code makes its rows
-    interact (:func:`rows_interact`), which per core would train another
-    model than the one that evaluates. At inference
+    every row with every other), which per core would be another loss than
+    the one the model evaluates with. At inference
     only random draws matter, and Keras' own layers draw none then; a layer
     of the user's own that owns a seed generator may draw in any step.
 
@@ -147,7 +146,7 @@ def runs_on_the_whole_batch(model, mode, couples_rows=False):
         (False, True)
     """
     training = mode == "train"
-    per_core_for_speed = () if couples_rows else _CONVOLUTIONS
+    per_core_for_speed = () if loss_couples_rows else _CONVOLUTIONS
     return not any(training and (couples_rows_in_training(layer) or random_in_training(layer)
                                  or _draws_unnamed(layer) or isinstance(layer, per_core_for_speed))
                    or _draws_at_any_time(layer) for layer in [model] + _keras_private.all_layers(model))
@@ -321,11 +320,13 @@ class CustomSteps:
     Used by :class:`keras_tpu._replicated_steps.ReplicatedSteps` for the modes the model overrides.
     """
 
-    def __init__(self, steps, couples_rows=False):
+    def __init__(self, steps, loss_couples_rows=False, rows_interact=False):
         self.builder = steps
         self.model = steps.model
         self.layout = steps.layout
-        self.couples_rows = couples_rows  # (see runs_on_the_whole_batch)
+        self.loss_couples_rows = loss_couples_rows  # (see runs_on_the_whole_batch)
+        # A model whose own code makes its rows interact (rows_interact) runs each core's rows, as on a TPU.
+        self.rows_interact = rows_interact
         if self.layout.num_devices > 1:
             raise ValueError(
                 f"{type(self.model).__name__} has its own step methods, which keras_tpu runs on the cores of one "
@@ -342,7 +343,8 @@ class CustomSteps:
         """Whether the model's ``mode`` step runs on all the cores' rows as one batch (see
         :func:`runs_on_the_whole_batch`): decided once per mode."""
         if mode not in self._whole_batch:
-            self._whole_batch[mode] = runs_on_the_whole_batch(self.model, mode, self.couples_rows)
+            self._whole_batch[mode] = not self.rows_interact and runs_on_the_whole_batch(self.model, mode,
+                                                                                        self.loss_couples_rows)
         return self._whole_batch[mode]
 
     def device_step(self, mode, cores):

@@ -339,10 +339,10 @@ class ReplicatedSteps:
         for losses averaged over the rows, as Keras' activity regularisers are
         (the cores' mean of their rows' means is the batch's), and for losses
         added per row, which Keras sums (each core's sum counts in full, see
-        :mod:`keras_tpu._custom_steps`). A model whose rows interact (keras.io's
-        collaborative filtering sums a product over the batch) runs on the
-        whole batch, as on the CPU, where its rows on the cores would change
-        what it computes and padding rows would enter it. Decided on the first
+        :mod:`keras_tpu._custom_steps`). A model whose own code makes its rows
+        interact (keras.io's collaborative filtering sums a product over the
+        batch) runs each core's rows, as on a TPU, but without the padding rows
+        that would enter what a core computes. Decided on the first
         batch, whose shapes the checks trace (no compute, but for a model of
         the user's own code, which runs on two of its rows: see
         :func:`keras_tpu._custom_steps.rows_interact`).
@@ -356,12 +356,12 @@ class ReplicatedSteps:
                 except StopIteration:
                     raise StopIteration from None
                 iterator = itertools.chain([first], iterator)
-                why, couples_rows = self._why_padding_rows_count(mode, state, first, probe_rows)
+                why, loss_couples_rows, interact = self._why_padding_rows_count(mode, state, first, probe_rows)
                 if why:
-                    custom = CustomSteps(self, couples_rows)
+                    custom = CustomSteps(self, loss_couples_rows, interact)
                     logger.info("%s %s: its %s steps run without padding rows, %s.", self.model.name, why, mode,
-                                "on the whole batch, as on the CPU" if custom.runs_on_the_whole_batch(mode) else
-                                "a partial batch on the cores that divide it")
+                                "on the whole batch" if custom.runs_on_the_whole_batch(mode) else
+                                "each core on its own rows (a partial batch on the cores that divide it)")
                     chosen.append(custom.function(mode, steps_per_execution))
                 else:
                     chosen.append(padded_function)
@@ -370,11 +370,11 @@ class ReplicatedSteps:
         return function
 
     def _why_padding_rows_count(self, mode, state, batch, probe_rows=True):
-        """``(why, couples_rows)``: why padding rows of ``batch`` would count in the model's outputs, loss or
-        metrics (see :meth:`_unless_padding_rows_count`), or ``""``, and whether the model's rows interact
-        through its code or a compiled loss that gives one value for the batch rather than one per row (its
-        steps run on the whole batch, see :func:`keras_tpu._custom_steps.runs_on_the_whole_batch`). Why: the
-        model's own code makes a row's outputs depend on other rows
+        """``(why, loss_couples_rows, rows_interact)``: why padding rows of ``batch`` would count in the model's
+        outputs, loss or metrics (see :meth:`_unless_padding_rows_count`), or ``""``; whether a compiled loss
+        gives one value for the batch rather than one per row (its steps run on the whole batch, see
+        :func:`keras_tpu._custom_steps.runs_on_the_whole_batch`); and whether the model's own code makes its
+        rows interact (its steps run each core's rows, as on a TPU). Why: the model's own code makes a row's outputs depend on other rows
         (:func:`keras_tpu._custom_steps.rows_interact`, run once per input
         shape), a forward pass on it adds losses (weight regularisers
         excluded), a compiled loss gives no value per row
@@ -392,9 +392,9 @@ class ReplicatedSteps:
             self._rows_interact[shapes] = self.layout.num_devices == 1 and rows_interact(
                 self.model, list(state[0]), list(state[1]), x)
         if probe_rows and self._rows_interact[shapes]:
-            return "makes its rows interact (a row's output depends on the batch's other rows)", True
+            return "makes its rows interact (a row's output depends on the batch's other rows)", False, True
         if mode == "predict":
-            return "", False
+            return "", False, False
         model = self.model
         # One core's rows, as each core runs them (a graph with a static per-core batch, TPUEstimator's, takes
         # no other).
@@ -425,7 +425,7 @@ class ReplicatedSteps:
                if whole_batch else
                f"has a metric that ignores sample_weight ({', '.join(unweighted)}), where the TPU weighs its "
                f"padding rows out" if unweighted else "")
-        self._padding_rows_count[key] = why, bool(whole_batch)
+        self._padding_rows_count[key] = why, bool(whole_batch), False
         return self._padding_rows_count[key]
 
     def predict_function(self, steps_per_execution=1, purpose="predict", graph_per_core=False):

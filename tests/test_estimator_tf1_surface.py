@@ -384,8 +384,8 @@ def test_the_logged_loop_time_includes_the_device_work(tmp_path, caplog, monkeyp
     from keras_tpu import _placement as placement
 
     class SlowDevice(placement.ReplicatedSteps):
-        def train_function(self, steps_per_execution=1):
-            run, calls = super().train_function(steps_per_execution), []
+        def train_function(self, steps_per_execution=1, **kwargs):
+            run, calls = super().train_function(steps_per_execution, **kwargs), []
 
             def slow(state, iterator):
                 logs, state = run(state, iterator)

@@ -244,25 +244,40 @@ def ratings():
     return pairs, rng.random((100, 1)).astype("float32")
 
 
+def per_core(cpu, x, cores=8):
+    """The CPU model's outputs for ``x`` run as a TPU runs it: each core's rows a batch of their own."""
+    rows = len(x) // cores
+    return np.concatenate([cpu.predict(x[i:i + rows], verbose=0) for i in range(0, len(x), rows)])
+
+
 @pytest.mark.parametrize("front_end", ["TPUStrategy", "keras_to_tpu_model"])
-def test_a_model_whose_rows_interact_runs_on_the_whole_batch_without_padding(front_end, ratings, caplog):
-    """On each core's rows the sum would be each core's, and a padding row (a copy of the first row) would enter
-    it: the model trains, evaluates and predicts on the whole batch, as on the CPU, partial batches included,
-    and its predictions do not depend on the batches an earlier call compiled programs for."""
+def test_a_model_whose_rows_interact_runs_each_core_s_rows_without_padding(front_end, ratings, caplog):
+    """Each core's rows are a batch of their own, as on a TPU, and no padding row (a copy of the first row) enters
+    what a core computes: a partial batch runs on the cores that divide it, and predictions do not depend on the
+    batches an earlier call compiled programs for."""
     x, y = ratings
-    log = fits_like_the_cpu(recommender, front_end, x, y, caplog)
-    assert "makes its rows interact" in log and "on the whole batch, as on the CPU" in log
-    assert "Compiled the TPU train program (global batch 4," in log  # the partial batch: its own rows
     cpu = recommender()
-    for front in ("first", "second"):
+
+    def on_tpu():
         if front_end == "TPUStrategy":
-            tpu = recommender(keras_tpu.TPUStrategy(precision="highest").scope())
-        else:
-            tpu = keras_tpu.keras_to_tpu_model(recommender(), keras_tpu.TPUDistributionStrategy(precision="highest"))
-        if front == "second":
-            tpu.predict(x[:64], batch_size=64, verbose=0)  # a larger program first
-        np.testing.assert_allclose(tpu.predict(x[:32], batch_size=32, verbose=0),
-                                   cpu.predict(x[:32], batch_size=32, verbose=0), rtol=1e-6)
+            return recommender(keras_tpu.TPUStrategy(precision="highest").scope())
+        return keras_tpu.keras_to_tpu_model(recommender(), keras_tpu.TPUDistributionStrategy(precision="highest"))
+
+    fresh, used = on_tpu(), on_tpu()
+    with caplog.at_level(logging.INFO, logger="keras_tpu"):
+        used.predict(x[:64], batch_size=64, verbose=0)  # a larger program first
+        got = used.predict(x[:32], batch_size=32, verbose=0)
+    np.testing.assert_allclose(got, fresh.predict(x[:32], batch_size=32, verbose=0), rtol=1e-6)
+    np.testing.assert_allclose(got, per_core(cpu, x[:32]), rtol=1e-6)
+    assert "makes its rows interact" in caplog.text and "each core on its own rows" in caplog.text
+    # Batches of 32, 32, 32 and 4 rows: cores of 4 rows, and 4 cores of one row for the last.
+    expected = np.concatenate([per_core(cpu, x[i:i + 32]) for i in (0, 32, 64)] + [per_core(cpu, x[96:], cores=4)])
+    loss = keras.losses.BinaryCrossentropy()(y, expected) + sum(cpu.losses)  # (the embeddings' regularizer)
+    assert used.evaluate(x, y, batch_size=32, verbose=0)[0] == pytest.approx(float(loss), rel=1e-5)
+    with caplog.at_level(logging.INFO, logger="keras_tpu"):
+        losses = used.fit(x, y, batch_size=32, epochs=3, verbose=0).history["loss"]
+    assert "4 rows do not split evenly over 8" in caplog.text
+    assert losses[-1] < losses[0]
 
 
 def test_models_of_the_user_s_own_code_whose_rows_do_not_interact_keep_the_padded_program(ratings, caplog):
