@@ -145,8 +145,26 @@ def same_shape_runs(batches):
 
 
 def unstack_outputs(outputs, stacked):
-    """Predictions of stacked steps back to one array per output, real rows only, in order."""
+    """Predictions of stacked steps, ``(rows, steps, ...)`` arrays (``(rows, ...)`` for one step), back to one
+    array per output, real rows only, in order.
+
+    One step's outputs come back as they are when every row is real: a device array, which Keras' ``predict``
+    collects and concatenates at its end, as it does its own; converting it here would wait for every step's
+    program in turn and copy its outputs twice (keras.io's masked language model predicted at 1.4x plain
+    Keras' time per batch).
+
+    Example:
+        >>> stacked = StackedBatches(None, np.ones((4, 2)), np.array([4, 3]))
+        >>> unstack_outputs(np.arange(8).reshape(4, 2), stacked)
+        array([0, 2, 4, 6, 1, 3, 5])
+        >>> one_step = jax.numpy.ones((4, 3))
+        >>> unstack_outputs(one_step, StackedBatches(None, np.ones((4, 1)), np.array([4]))) is one_step
+        True
+    """
     def unstack(leaf):
+        if stacked.steps == 1:
+            count = int(stacked.real_rows[0])
+            return leaf if count == leaf.shape[0] else np.asarray(leaf)[:count]
         leaf = np.asarray(leaf)
         return np.concatenate([leaf[:count, step] for step, count in enumerate(stacked.real_rows)])
     return tree.map_structure(unstack, outputs)

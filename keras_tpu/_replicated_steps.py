@@ -537,6 +537,8 @@ class ReplicatedSteps:
         x_steps = tree.map_structure(lambda a: jnp.moveaxis(a, 1, 0),
                                      keras.utils.unpack_x_y_sample_weight(data)[0], none_is_leaf=False)
         outputs = lax.map(predict, x_steps)  # (steps, rows, ...)
+        if jax.tree.leaves(x_steps)[0].shape[0] == 1:  # one step: its rows, as Keras' predict_step returns them
+            return tree.map_structure(lambda a: a[0], outputs), state
         return tree.map_structure(lambda a: jnp.moveaxis(a, 0, 1), outputs), state
 
     # -- one step on one device -------------------------------------------------------
