@@ -178,13 +178,15 @@ _QUICK_COMPILE = {"xla_backend_optimization_level": 0}
 
 def runs_own_code(layer):
     """Whether ``layer`` (or model) runs code of the user's own in ``call``: a subclassed layer or model, or a
-    ``Lambda`` layer's function. Keras' own layers compute each row from that row alone at inference.
+    ``Lambda`` layer's function. Keras' own layers compute each row from that row alone at inference; keras-tpu's
+    models (``keras_to_tpu_model``'s) call the user's model, whose layers say.
 
     Example:
         >>> runs_own_code(keras.layers.Dense(2)), runs_own_code(keras.layers.Lambda(lambda x: x))
         (False, True)
     """
-    return isinstance(layer, keras.layers.Lambda) or type(layer).call.__module__.split(".")[0] != "keras"
+    return (isinstance(layer, keras.layers.Lambda)
+            or type(layer).call.__module__.split(".")[0] not in ("keras", "keras_tpu"))
 
 
 def rows_interact(model, trainable, non_trainable, x):
@@ -220,7 +222,7 @@ def rows_interact(model, trainable, non_trainable, x):
         with keras.StatelessScope(state_mapping=mapping):
             return model(x, training=False)
 
-    pair, padded = (tree.map_structure(lambda a: a[rows], x) for rows in ([0, other], [0, 0]))
+    pair, padded = (tree.map_structure(lambda a: np.asarray(a)[rows], x) for rows in ([0, other], [0, 0]))
     try:
         # Both run one executable, compiled without LLVM's optimisations: half the compile time (keras.io's text
         # Transformer: 0.15 s against 0.25-0.30), and the same arithmetic for both.

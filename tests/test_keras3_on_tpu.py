@@ -308,11 +308,17 @@ def test_whether_rows_interact_is_found_by_running_two_rows():
     doubled = keras.Sequential([keras.Input((3,)), keras.layers.Lambda(lambda v: 2 * v)])
     rows = np.arange(12.0, dtype="float32").reshape(4, 3)
     assert custom_steps.rows_interact(mean_removed, [], [], rows)
+    assert custom_steps.rows_interact(mean_removed, [], [], keras.ops.convert_to_tensor(rows))  # (device arrays)
     assert not custom_steps.rows_interact(doubled, [], [], rows)
     # Rows all alike say nothing; a model of Keras' own layers is not run.
     assert not custom_steps.rows_interact(mean_removed, [], [], np.ones((4, 3), "float32"))
     dense = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     assert not custom_steps.runs_own_code(dense) and not custom_steps.rows_interact(dense, None, None, rows)
+    # keras_to_tpu_model's model calls the user's: its layers are the user's model's.
+    tpu = keras_tpu.keras_to_tpu_model(dense)
+    assert not any(custom_steps.runs_own_code(layer) for layer in [tpu] + tpu._flatten_layers(include_self=False))
+    wrapped = keras_tpu.keras_to_tpu_model(mean_removed)
+    assert any(custom_steps.runs_own_code(layer) for layer in wrapped._flatten_layers())
 
 
 class TotalAbsoluteError(keras.metrics.Metric):
