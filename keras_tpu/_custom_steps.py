@@ -17,7 +17,10 @@ them so:
 * **Otherwise every core runs the user's step on its own rows**, with a
   TPU's semantics, as TensorFlow's ``TPUStrategy`` does (mapped over the
   core axis, the weights shared): BatchNormalization statistics, dropout
-  streams and losses per core.
+  streams and losses per core. So does Keras' own step for a model whose
+  own code makes its rows interact (:func:`rows_interact`: keras.io's
+  collaborative filtering sums a product over the batch), which a padded
+  program would feed padding rows.
 * **Gradients are averaged across the cores when an optimizer applies them**
   (each optimizer's ``stateless_apply`` sees the cross-core mean), so a GAN's
   two optimizers, or an update that a later part of the step reads, behave as
