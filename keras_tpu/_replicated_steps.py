@@ -374,7 +374,8 @@ class ReplicatedSteps:
         outputs, loss or metrics (see :meth:`_unless_padding_rows_count`), or ``""``; whether a compiled loss
         gives one value for the batch rather than one per row (its steps run on the whole batch, see
         :func:`keras_tpu._custom_steps.runs_on_the_whole_batch`); and whether the model's own code makes its
-        rows interact (its steps run each core's rows, as on a TPU). Why: the model's own code makes a row's outputs depend on other rows
+        rows interact (its steps run each core's rows, as on a TPU). Why: the
+        model's own code makes a row's outputs depend on other rows
         (:func:`keras_tpu._custom_steps.rows_interact`, run once per input
         shape), a forward pass on it adds losses (weight regularisers
         excluded), a compiled loss gives no value per row
@@ -404,7 +405,7 @@ class ReplicatedSteps:
         key = (id(getattr(model, "_compile_loss", None)),  # (recompiled with other losses: checked again)
                jax.tree.structure((x, y)), tuple((a.shape, a.dtype) for a in jax.tree.leaves((x, y))))
         if key in self._padding_rows_count:
-            return self._padding_rows_count[key]
+            return self._padding_rows_count[key] + (False,)
         added = []
 
         def forward(trainable, non_trainable, x):
@@ -425,8 +426,8 @@ class ReplicatedSteps:
                if whole_batch else
                f"has a metric that ignores sample_weight ({', '.join(unweighted)}), where the TPU weighs its "
                f"padding rows out" if unweighted else "")
-        self._padding_rows_count[key] = why, bool(whole_batch), False
-        return self._padding_rows_count[key]
+        self._padding_rows_count[key] = why, bool(whole_batch)
+        return self._padding_rows_count[key] + (False,)
 
     def predict_function(self, steps_per_execution=1, purpose="predict", graph_per_core=False):
         """``(state, iterator) -> (outputs, state)``, for ``model.predict_function``. ``purpose`` names the
