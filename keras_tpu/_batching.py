@@ -5,7 +5,9 @@ the same *global batch*: the largest batch seen, rounded up to a multiple of
 the number of cores (a batch of 100 on 8 cores runs as 8 x 13 rows). Padding
 rows carry a mask of 0, which keeps them out of the loss, gradients, metrics
 and predictions. The last, partial batch of an epoch therefore reuses the same
-compiled program. A padding row is a copy of the batch's first row, not zeros:
+compiled program (but for training a model with ``BatchNormalization``, whose
+statistics over the real rows cost a program of their own, compiled once: see
+``ReplicatedSteps.tracing_padding_rows``). A padding row is a copy of the batch's first row, not zeros:
 a row of zero token ids is entirely masked (``Embedding(mask_zero=True)``,
 ``Masking``), and a mask-aware average over it (``GlobalAveragePooling1D``)
 divides 0 by 0; a weight of 0 cannot keep that NaN out of the loss or the
@@ -57,13 +59,18 @@ class StackedBatches:
     def steps(self):
         return int(self.mask.shape[1])
 
+    @property
+    def has_padding_rows(self):
+        """Whether a step has fewer real rows than the global batch."""
+        return int(self.real_rows.min()) < self.mask.shape[0]
+
 
 class BatchStacker:
     """Pads and stacks the batches of one program (train, test or predict).
 
     The global batch grows to the largest batch seen (which recompiles the
     program once, with a log line); it never shrinks, so partial batches
-    never recompile.
+    run the program of the full ones (but see the module doc).
 
     Example:
         >>> stacker = BatchStacker(num_cores=8, steps=2)

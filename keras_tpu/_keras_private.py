@@ -653,47 +653,42 @@ def all_layers(model):
     return list(model._flatten_layers(include_self=False))
 
 
+def batch_normalizations(model):
+    """The ``BatchNormalization`` layers in ``model`` whose training statistics are Keras' own (``_moments`` not
+    overridden): those :func:`batch_statistics_of_rows` computes over chosen rows."""
+    return [layer for layer in all_layers(model) if isinstance(layer, keras.layers.BatchNormalization)
+            and type(layer)._moments is keras.layers.BatchNormalization._moments]
+
+
 @contextlib.contextmanager
-def batch_statistics_of_rows(model, rows, every_row_counts):
+def batch_statistics_of_rows(model, rows):
     """Within the block, each ``BatchNormalization`` in ``model`` computes its training statistics over the
     rows where ``rows`` (one 0/1 value per row of the batch it normalises) is 1.
 
-    ``every_row_counts`` (a boolean scalar) selects Keras' own statistics
-    (``ops.moments``, to the last bit) in a branch of their own (``lax.cond``):
-    the weighted sums cost 8-9% of a step (the CIFAR-10 CNN's 1333 against
-    1225 ms, an MLP with BatchNormalization 53 against 49), and a batch with
-    padding rows is rare (a partial last batch). It must not vary over a
-    ``vmap`` (both branches would run): a loop over the cores passes the
-    core's own, cores vectorised their device's. A Keras mask the layer gets
-    is applied as Keras applies it. A batch with no row counted keeps the
+    For batches with padding rows (keras-tpu traces its full batches without
+    the block: Keras' own statistics, see
+    ``ReplicatedSteps.tracing_padding_rows``). A Keras mask the layer gets is
+    applied as Keras applies it. A batch with no row counted keeps the
     statistics of all its rows (finite: its share of the moving statistics
-    and of the loss is 0). Layers that override ``_moments`` keep their own.
+    and of the loss is 0). Layers that override ``_moments`` keep their own
+    (:func:`batch_normalizations`).
 
     Example:
         >>> model = keras.Sequential([keras.Input((1,)), keras.layers.BatchNormalization(epsilon=0.0)])
         >>> x = keras.ops.convert_to_tensor([[1.0], [3.0], [100.0]])
         >>> rows = keras.ops.convert_to_tensor([1.0, 1.0, 0.0])
-        >>> with batch_statistics_of_rows(model, rows, keras.ops.all(rows > 0)):
+        >>> with batch_statistics_of_rows(model, rows):
         ...     keras.ops.convert_to_numpy(model(x, training=True)[:2, 0]).tolist()   # mean 2, variance 1
         [-1.0, 1.0]
     """
-    normalizations = [layer for layer in all_layers(model) if isinstance(layer, keras.layers.BatchNormalization)
-                      and type(layer)._moments is keras.layers.BatchNormalization._moments]
+    normalizations = batch_normalizations(model)
     for layer in normalizations:
-        layer.__dict__["_moments"] = functools.partial(_moments_of_rows, layer, rows, every_row_counts)
+        layer.__dict__["_moments"] = functools.partial(_weighted_moments, layer, rows)
     try:
         yield
     finally:
         for layer in normalizations:
             layer.__dict__.pop("_moments", None)
-
-
-def _moments_of_rows(layer, rows, every_row_counts, inputs, mask):
-    """``BatchNormalization._moments(inputs, mask)`` over the rows where ``rows`` is 1 (see
-    :func:`batch_statistics_of_rows`)."""
-    return jax.lax.cond(every_row_counts,
-                        lambda inputs: keras.layers.BatchNormalization._moments(layer, inputs, mask),
-                        lambda inputs: _weighted_moments(layer, rows, inputs, mask), inputs)
 
 
 def _weighted_moments(layer, rows, inputs, mask):

@@ -234,6 +234,8 @@ class ReplicatedSteps:
         self._rows_independent_in_training = None  # decided on the first training program (see _cores_merged)
         self.layout_choices = set()  # inference modes whose programs may run merged or looped (see _cores_merged)
         self._tracing_layout = None  # the inference layout being traced (see tracing_inference_layout)
+        self._tracing_padding_rows = True  # whether the training step being traced may see padding rows (see below)
+        self._normalizes_batches = None  # whether a training step has batch statistics (see padding_rows_matter)
         self._core_forwards = {}  # one core's forward pass per input shape (see _core_forward)
         self._shared_traces = {}  # pieces of a step traced once, replayed (see _traced_once)
         self._padding_rows_count = {}  # why padding rows would count (or ''), per batch shape
@@ -448,13 +450,14 @@ class ReplicatedSteps:
         program = self.last_programs.get("train")
         return program.stacker.global_batch if program else None
 
-    def hbm_footprint(self, mode, args):
+    def hbm_footprint(self, mode, args, padding_rows=True):
         """The per-core HBM one step of this mode's program needs on the accelerator (:mod:`keras_tpu._hbm`),
         or ``None`` when not checked (a CPU placement).
 
         ``args`` are the device program's arguments; one core's step is traced
         abstractly (nothing runs), with one core's rows and the whole replicated
-        state, as each TPU core holds its own copy.
+        state, as each TPU core holds its own copy, for batches with
+        ``padding_rows`` or without (see :meth:`tracing_padding_rows`).
         """
         if self.accelerator_type is None:
             return None
@@ -463,6 +466,7 @@ class ReplicatedSteps:
         # A core's rows are the same here: share the forward pass already traced for them (ResNet-20: 0.2 s less).
         one_core._core_forwards = self._core_forwards
         one_core._shared_traces = self._shared_traces  # its core's gradient and the update: traced already
+        one_core._tracing_padding_rows = padding_rows  # (the same trace of a core's gradient)
         device_fn = {"train": one_core._device_train, "test": one_core._device_test,
                      "predict": one_core._device_predict}[mode]
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
@@ -595,6 +599,40 @@ class ReplicatedSteps:
             self.layout_choices.add(mode)
             return self._tracing_layout != LOOPED
         return True
+
+    def padding_rows_matter(self, mode):
+        """Whether ``mode``'s programs take a form of their own for batches with padding rows (see
+        :meth:`tracing_padding_rows`): training programs of a model with ``BatchNormalization``."""
+        if mode != "train":
+            return False
+        if self._normalizes_batches is None:
+            self._normalizes_batches = bool(_keras_private.batch_normalizations(self.model))
+        return self._normalizes_batches
+
+    @contextlib.contextmanager
+    def tracing_padding_rows(self, padding_rows):
+        """Training steps traced in the block are for batches with padding rows (``True``, the default) or
+        for batches whose every row is real (``False``).
+
+        Batch normalization's training statistics must leave padding rows out:
+        a step for batches with padding rows weighs each row by its mask
+        (:func:`keras_tpu._keras_private.batch_statistics_of_rows`); one for
+        full batches runs Keras' own statistics (``ops.moments``, to the last
+        bit). Two programs, not one that branches on the mask (``lax.cond``):
+        the weighted sums cost 8-9% of a step (the CIFAR-10 CNN's 1333
+        against 1225 ms), and XLA compiles both branches of a ``cond`` and
+        their gradients: ResNet-20's training program compiled in 3.2-3.5 s
+        without them against 4.2-4.3 s, MobileNet's in 4.2-4.8 against
+        5.0-5.8 s, the CIFAR CNN's in 3.2-3.3 against 3.3-4.1 s (plain Keras:
+        2.5-2.8 s for ResNet-20). A fit whose batches all split evenly
+        compiles one program; a partial last batch (or a batch size that does
+        not divide over the cores) compiles the weighted one, once.
+        """
+        previous, self._tracing_padding_rows = self._tracing_padding_rows, padding_rows
+        try:
+            yield
+        finally:
+            self._tracing_padding_rows = previous
 
     @contextlib.contextmanager
     def tracing_inference_layout(self, layout):
@@ -909,15 +947,15 @@ class ReplicatedSteps:
                 optimizer_variables=optimizer_values)
             return loss / units, (unscaled, y_pred, new_non_trainable)
 
-        # Batch statistics over each core's real rows, as on the CPU: Keras' own where every row of the device
-        # (cores vectorised: the predicate must not vary over the core axis) or of the core (in a loop) is real.
-        every_device_row_counts = jnp.all(mask > 0)
+        # Batch statistics over each core's real rows, as on the CPU (see tracing_padding_rows).
+        padding_rows = self._tracing_padding_rows
+        statistics = (functools.partial(_keras_private.batch_statistics_of_rows, model) if padding_rows
+                      else lambda rows: contextlib.nullcontext())
 
         def core_loss(trainable, x, y, loss_weight, rows, core_id, non_trainable=non_trainable,
-                      metrics_values=metrics_values, optimizer_values=optimizer_values,
-                      every_row_counts=every_device_row_counts):
+                      metrics_values=metrics_values, optimizer_values=optimizer_values):
             seeded = self._offset_seeds(non_trainable, core_id, +1)
-            with _keras_private.batch_statistics_of_rows(model, rows, every_row_counts):
+            with statistics(rows):
                 loss, (unscaled, y_pred, new_non_trainable, _) = model.compute_loss_and_updates(
                     trainable, seeded, metrics_values, x, y, loss_weight, training=True,
                     optimizer_variables=optimizer_values)
@@ -939,12 +977,13 @@ class ReplicatedSteps:
                 non_trainable, metrics_values, optimizer_values = replicated
                 loss, (unscaled, y_pred, new_non_trainable) = core_loss(trainable, x, y, loss_weight, rows,
                                                                         core_id, non_trainable, metrics_values,
-                                                                        optimizer_values, jnp.all(rows > 0))
+                                                                        optimizer_values)
                 return loss, ((unscaled, y_pred), self._add_core_share(non_trainable, combined, new_non_trainable,
                                                                        share))
 
             def core_value_and_grad(trainable, combined, *core_args):  # the rest of the state passed, not captured
-                return self._traced_once("core gradient", jax.value_and_grad(core_loss_combining, has_aux=True),
+                name = "core gradient" if padding_rows else "core gradient, every row real"
+                return self._traced_once(name, jax.value_and_grad(core_loss_combining, has_aux=True),
                                          trainable, combined, *core_args,
                                          (non_trainable, metrics_values, optimizer_values))
 
@@ -1079,8 +1118,10 @@ class _Program:
         # gradients alike), instead of rounding every weight again in each of its products.
         self.rounds_weights = builder.on_mxu and builder.precision is Precision.DEFAULT
         self._device_fn = device_fn
-        self._readings = {}  # cores' layout -> the device step reading weight copies (see _reading)
-        self._jitted = {}  # (reads copies, cores' layout) -> the jitted program (see _program)
+        # Whether batches with padding rows run a program of their own (ReplicatedSteps.tracing_padding_rows).
+        self._padding_rows_matter = builder.padding_rows_matter(mode)
+        self._readings = {}  # (cores' layout, padding rows) -> the device step reading weight copies (see _reading)
+        self._jitted = {}  # (reads copies, cores' layout, padding rows) -> the jitted program (see _program)
         self._executables = {}
         # How the cores lie in an inference program that may merge them (ReplicatedSteps.layout_choices): None
         # (merged) until the LayoutTrial started after the first call has timed both, once per program.
@@ -1093,41 +1134,44 @@ class _Program:
         self._in_flight = ProgramsInFlight(self.layout.max_programs_in_flight)
         builder.last_programs[mode] = self
 
-    def _device_step(self, layout):
-        """The device step, traced with the cores in ``layout`` where the program may choose it."""
-        if layout == MERGED:
+    def _device_step(self, layout, padding_rows=True):
+        """The device step, traced with the cores in ``layout`` where the program may choose it, for batches
+        with ``padding_rows`` or without."""
+        if layout == MERGED and padding_rows:
             return self._device_fn
         builder, device_fn = self.builder, self._device_fn
 
-        def step_in_layout(*args):
-            with builder.tracing_inference_layout(layout):
+        def step_in_form(*args):
+            with builder.tracing_inference_layout(layout), builder.tracing_padding_rows(padding_rows):
                 return device_fn(*args)
 
-        return step_in_layout
+        return step_in_form
 
-    def _reading(self, layout):
+    def _reading(self, layout, padding_rows=True):
         """The device step in ``layout`` as it reads bfloat16 weight copies (``None`` when it reads none)."""
         if not self.rounds_weights:
             return None
-        if layout not in self._readings:
-            self._readings[layout] = _rounded_weights.reading_rounded_weights(self._device_step(layout),
-                                                                              self.builder.precision)
-        return self._readings[layout]
+        key = layout, padding_rows
+        if key not in self._readings:
+            self._readings[key] = _rounded_weights.reading_rounded_weights(self._device_step(layout, padding_rows),
+                                                                           self.builder.precision)
+        return self._readings[key]
 
-    def _program(self, copies, layout=MERGED):
+    def _program(self, copies, layout=MERGED, padding_rows=True):
         """The jitted program of this mode, its products reading bfloat16 weight copies (``copies``) or not,
-        its cores in ``layout`` where it may choose.
+        its cores in ``layout`` where it may choose, for batches with ``padding_rows`` or without (see
+        :meth:`ReplicatedSteps.tracing_padding_rows`).
 
         Either way it takes ``(state, copies, data, mask, real rows)``; a training program reading copies also
         returns those of the weights it wrote. Both forms run the device step as traced once by
         :class:`keras_tpu._rounded_weights.ReadingRoundedWeights`.
         """
-        key = copies, layout
+        key = copies, layout, padding_rows
         if key in self._jitted:
             return self._jitted[key]
-        reading, train = self._reading(layout), self.mode == "train"
+        reading, train = self._reading(layout, padding_rows), self.mode == "train"
         if reading is None:
-            device_fn = self._device_step(layout)
+            device_fn = self._device_step(layout, padding_rows)
 
             def step_fn(state, _no_copies, *rest):
                 return device_fn(state, *rest)
@@ -1167,23 +1211,25 @@ class _Program:
             return args
         return (jax.device_put(state, replicated),) + args[1:]
 
-    def _executable(self, args, stacked, layout):
-        """``(executable, whether it was compiled now)`` of this mode's program for ``args``, cores in ``layout``."""
+    def _executable(self, args, stacked, layout, padding_rows):
+        """``(executable, whether it was compiled now)`` of this mode's program for ``args``, cores in ``layout``,
+        for batches with ``padding_rows`` or without."""
         leaves, structure = jax.tree.flatten(args)
         signature = structure, tuple((a.shape, a.dtype) for a in leaves)
-        key = signature + (layout,)
+        key = signature + (layout, padding_rows)
         executable = self._executables.get(key)
         if executable is not None:
             return executable, False
         started = time.perf_counter()
         # XLA compiles without holding the GIL, so the per-core HBM estimate (a Python trace of one
         # core's step) runs meanwhile: ResNet-20's first step is ready 0.7 s sooner.
-        traced = self._program(self._reads_copies, layout).trace(*args)
+        traced = self._program(self._reads_copies, layout, padding_rows).trace(*args)
         # XLA:CPU's options on this host, for this kind of program (see keras_tpu.mxu._kernels.compiler_options).
         compiling = _COMPILER.submit(traced.lower().compile, kernels.compiler_options(self.mode, traced.jaxpr))
         # A TPU keeps no bf16 copies. One core's step needs the same HBM in either layout: checked once per shape.
-        checked = any(signature + (other,) in self._executables for other in (MERGED, LOOPED))
-        footprint = None if checked else self.builder.hbm_footprint(self.mode, (args[0],) + args[2:])
+        checked = any(signature + (other, rows) in self._executables for other in (MERGED, LOOPED)
+                      for rows in (False, True))
+        footprint = None if checked else self.builder.hbm_footprint(self.mode, (args[0],) + args[2:], padding_rows)
         if footprint is not None:
             footprint.check()  # a program that would not fit a core's HBM fails here, as on a TPU
         executable = compiling.result()
@@ -1200,7 +1246,7 @@ class _Program:
         self.builder.note_compiled_shape(self.mode, describe_input_shapes(shapes, rows=0))
         return executable, True
 
-    def _round_weights(self, args, layout):
+    def _round_weights(self, args, layout, padding_rows):
         """Make the bfloat16 copies the program reads of the weights in ``args`` (see keras_tpu._rounded_weights),
         unless the copies at hand are of these weights already.
 
@@ -1208,7 +1254,7 @@ class _Program:
         compile reuses), not a table that is only looked up. A new evaluate() resets the metrics but passes back
         the weights: they are rounded once per set of weights.
         """
-        self._reads_copies, read = self._reading(layout).copies_to_make(
+        self._reads_copies, read = self._reading(layout, padding_rows).copies_to_make(
             *self.layout.device_shapes(args, self._ARGUMENT_SPECS), training=self.mode == "train",
             axis_env=self.layout.axis_env())
         self._copies.for_weights(jax.tree.leaves(args[0][0]), read)
@@ -1237,20 +1283,21 @@ class _Program:
         returned = same_arrays(jax.tree.leaves(state), self._last_state)  # Keras hands the state back as it is
         args = self._place(state, stacked, returned)
         layout = self._trial.layout() if self._trial is not None else self._cores_layout or MERGED
+        padding_rows = not self._padding_rows_matter or stacked.has_padding_rows
         # A step's state has the shapes of the state it was given, so after the first step only the batch can
         # change which program runs: its numpy shapes are a cheaper key than every weight's (~15 us per step).
         batch_leaves, batch_structure = jax.tree.flatten(stacked.data)
-        batch_key = batch_structure, tuple((a.shape, a.dtype) for a in batch_leaves), layout
+        batch_key = batch_structure, tuple((a.shape, a.dtype) for a in batch_leaves), layout, padding_rows
         same_program = returned and self._last_call is not None and self._last_call[0] == batch_key
         if self.rounds_weights and not same_program:
-            self._round_weights(args, layout)
+            self._round_weights(args, layout, padding_rows)
         args = (args[0], self._copies.copies) + args[1:]
         compiled = False
         if same_program:
             executable = self._last_call[1]
         else:
-            executable, compiled = self._executable(args, stacked, layout)  # (a failure keeps the weights:
-            # see ReplicatedSteps._state_kept_on_error)
+            # (a failure keeps the weights: see ReplicatedSteps._state_kept_on_error)
+            executable, compiled = self._executable(args, stacked, layout, padding_rows)
         self._last_call = batch_key, executable
         if not pod.is_multi_worker():
             started = time.perf_counter()

@@ -1,5 +1,7 @@
 """Keras' fit loop drives the TPU program: data types, validation, callbacks, progress bar."""
 
+import logging
+
 import jax
 import keras
 import numpy as np
@@ -149,6 +151,28 @@ def test_batch_normalization_statistics_leave_out_a_cores_padding_rows(conv):
     variance = sum(r * core.var(axis=0) for r, core in zip(rows, cores)) / rows.sum()
     np.testing.assert_allclose(bn.moving_mean.numpy(), x.reshape(-1, x.shape[-1]).mean(axis=0), rtol=1e-5)
     np.testing.assert_allclose(bn.moving_variance.numpy(), variance, rtol=1e-5)
+
+
+def test_only_batches_with_padding_rows_run_batch_normalizations_weighted_statistics(caplog, monkeypatch):
+    """Full batches run Keras' own statistics in a program without the weighted ones; the first batch with
+    padding rows compiles the weighted program once, and later epochs reuse both."""
+    from keras_tpu import _keras_private
+
+    weighted = []
+    original = _keras_private._weighted_moments
+    monkeypatch.setattr(_keras_private, "_weighted_moments",
+                        lambda *args: weighted.append(args[2].shape) or original(*args))
+    caplog.set_level(logging.INFO, logger="keras_tpu")
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((200, 6)) * 3 + 1).astype("float32")
+    y = rng.integers(0, 3, (200,))
+    tpu = on_tpu(_bn_classifier(conv=False), "highest")
+    tpu.fit(x[:192], y[:192], batch_size=64, epochs=1, shuffle=False, verbose=0)
+    assert weighted == []  # traced for full batches only: Keras' statistics
+    tpu.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)  # 3 full batches and one of 8 rows
+    assert weighted == [(8, 6)]  # one core's rows, traced once
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiled the TPU train")]
+    assert len(compiled) == 2 and "real rows" not in compiled[0] and "global batch 64, 8 real rows" in compiled[1]
 
 
 def test_single_core_batch_normalization_on_a_partial_batch_equals_the_cpu():
