@@ -1239,10 +1239,13 @@ class _Program:
         padding = "" if real == self.stacker.global_batch else f", {real} real rows"
         x = keras.utils.unpack_x_y_sample_weight(stacked.data)[0]
         shapes = tree.map_structure(lambda a: a[:, 0], x, none_is_leaf=False)  # one step's rows
+        form = (", cores in a loop" if layout == LOOPED else "") + (
+            ", for batches with padding rows (BatchNormalization over the real rows)"
+            if self._padding_rows_matter and padding_rows else "")
         logger.info("Compiled the TPU %s program (global batch %d%s, %d step(s) per call%s) in %.1f s; inputs "
-                    "%s%s.", self.purpose, self.stacker.global_batch, padding, stacked.steps,
-                    ", cores in a loop" if layout == LOOPED else "", time.perf_counter() - started,
-                    describe_input_shapes(shapes), "" if footprint is None else f"; {footprint.describe()}")
+                    "%s%s.", self.purpose, self.stacker.global_batch, padding, stacked.steps, form,
+                    time.perf_counter() - started, describe_input_shapes(shapes),
+                    "" if footprint is None else f"; {footprint.describe()}")
         self.builder.note_compiled_shape(self.mode, describe_input_shapes(shapes, rows=0))
         return executable, True
 

@@ -173,6 +173,7 @@ def test_only_batches_with_padding_rows_run_batch_normalizations_weighted_statis
     assert weighted == [(8, 6)]  # one core's rows, traced once
     compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiled the TPU train")]
     assert len(compiled) == 2 and "real rows" not in compiled[0] and "global batch 64, 8 real rows" in compiled[1]
+    assert "for batches with padding rows (BatchNormalization over the real rows)" in compiled[1]
 
 
 def test_single_core_batch_normalization_on_a_partial_batch_equals_the_cpu():
