@@ -661,17 +661,18 @@ def batch_normalizations(model):
 
 
 @contextlib.contextmanager
-def batch_statistics_of_rows(model, rows):
+def batch_statistics_of_rows(model, rows, computed=None):
     """Within the block, each ``BatchNormalization`` in ``model`` computes its training statistics over the
-    rows where ``rows`` (one 0/1 value per row of the batch it normalises) is 1.
+    rows where ``rows`` (one 0/1 value per row of the batch it normalises) is 1, or, with ``rows`` None, Keras'
+    own statistics; ``computed()`` (if given) is called whenever a layer computes them.
 
-    For batches with padding rows (keras-tpu traces its full batches without
-    the block: Keras' own statistics, see
-    ``ReplicatedSteps.tracing_padding_rows``). A Keras mask the layer gets is
-    applied as Keras applies it. A batch with no row counted keeps the
-    statistics of all its rows (finite: its share of the moving statistics
-    and of the loss is 0). Layers that override ``_moments`` keep their own
-    (:func:`batch_normalizations`).
+    For batches with padding rows; keras-tpu traces its full batches with
+    ``rows`` None, to learn whether any layer computes batch statistics at
+    all (see ``ReplicatedSteps.tracing_padding_rows``). A Keras mask the
+    layer gets is applied as Keras applies it. A batch with no row counted
+    keeps the statistics of all its rows (finite: its share of the moving
+    statistics and of the loss is 0). Layers that override ``_moments`` keep
+    their own (:func:`batch_normalizations`).
 
     Example:
         >>> model = keras.Sequential([keras.Input((1,)), keras.layers.BatchNormalization(epsilon=0.0)])
@@ -683,12 +684,22 @@ def batch_statistics_of_rows(model, rows):
     """
     normalizations = batch_normalizations(model)
     for layer in normalizations:
-        layer.__dict__["_moments"] = functools.partial(_weighted_moments, layer, rows)
+        layer.__dict__["_moments"] = functools.partial(_moments_of_rows, layer, rows, computed)
     try:
         yield
     finally:
         for layer in normalizations:
             layer.__dict__.pop("_moments", None)
+
+
+def _moments_of_rows(layer, rows, computed, inputs, mask):
+    """``BatchNormalization._moments(inputs, mask)`` over the rows where ``rows`` is 1 (see
+    :func:`batch_statistics_of_rows`)."""
+    if computed is not None:
+        computed()
+    if rows is None:
+        return keras.layers.BatchNormalization._moments(layer, inputs, mask)
+    return _weighted_moments(layer, rows, inputs, mask)
 
 
 def _weighted_moments(layer, rows, inputs, mask):

@@ -235,7 +235,7 @@ class ReplicatedSteps:
         self.layout_choices = set()  # inference modes whose programs may run merged or looped (see _cores_merged)
         self._tracing_layout = None  # the inference layout being traced (see tracing_inference_layout)
         self._tracing_padding_rows = True  # whether the training step being traced may see padding rows (see below)
-        self._normalizes_batches = None  # whether a training step has batch statistics (see padding_rows_matter)
+        self.computes_batch_statistics = False  # whether a traced training step did (see tracing_padding_rows)
         self._core_forwards = {}  # one core's forward pass per input shape (see _core_forward)
         self._shared_traces = {}  # pieces of a step traced once, replayed (see _traced_once)
         self._padding_rows_count = {}  # why padding rows would count (or ''), per batch shape
@@ -600,14 +600,11 @@ class ReplicatedSteps:
             return self._tracing_layout != LOOPED
         return True
 
-    def padding_rows_matter(self, mode):
-        """Whether ``mode``'s programs take a form of their own for batches with padding rows (see
-        :meth:`tracing_padding_rows`): training programs of a model with ``BatchNormalization``."""
-        if mode != "train":
-            return False
-        if self._normalizes_batches is None:
-            self._normalizes_batches = bool(_keras_private.batch_normalizations(self.model))
-        return self._normalizes_batches
+    def padding_rows_may_matter(self, mode):
+        """Whether ``mode``'s programs may take a form of their own for batches with padding rows (see
+        :meth:`tracing_padding_rows`): training programs of a model with a trainable ``BatchNormalization``.
+        Whether one does is known once a step is traced (:attr:`computes_batch_statistics`)."""
+        return mode == "train" and any(layer.trainable for layer in _keras_private.batch_normalizations(self.model))
 
     @contextlib.contextmanager
     def tracing_padding_rows(self, padding_rows):
@@ -626,7 +623,11 @@ class ReplicatedSteps:
         5.0-5.8 s, the CIFAR CNN's in 3.2-3.3 against 3.3-4.1 s (plain Keras:
         2.5-2.8 s for ResNet-20). A fit whose batches all split evenly
         compiles one program; a partial last batch (or a batch size that does
-        not divide over the cores) compiles the weighted one, once.
+        not divide over the cores) compiles the weighted one, once, where a
+        traced step computed batch statistics (:attr:`computes_batch_statistics`):
+        not for a frozen base model, nor for one called with ``training=False``
+        (keras.io's fine-tuning), whose layers normalise with their moving
+        statistics.
         """
         previous, self._tracing_padding_rows = self._tracing_padding_rows, padding_rows
         try:
@@ -949,8 +950,13 @@ class ReplicatedSteps:
 
         # Batch statistics over each core's real rows, as on the CPU (see tracing_padding_rows).
         padding_rows = self._tracing_padding_rows
-        statistics = (functools.partial(_keras_private.batch_statistics_of_rows, model) if padding_rows
-                      else lambda rows: contextlib.nullcontext())
+
+        def computed_batch_statistics():
+            self.computes_batch_statistics = True
+
+        def statistics(rows):
+            return _keras_private.batch_statistics_of_rows(model, rows if padding_rows else None,
+                                                           computed_batch_statistics)
 
         def core_loss(trainable, x, y, loss_weight, rows, core_id, non_trainable=non_trainable,
                       metrics_values=metrics_values, optimizer_values=optimizer_values):
@@ -1118,8 +1124,9 @@ class _Program:
         # gradients alike), instead of rounding every weight again in each of its products.
         self.rounds_weights = builder.on_mxu and builder.precision is Precision.DEFAULT
         self._device_fn = device_fn
-        # Whether batches with padding rows run a program of their own (ReplicatedSteps.tracing_padding_rows).
-        self._padding_rows_matter = builder.padding_rows_matter(mode)
+        # Whether batches with padding rows run a program of their own (ReplicatedSteps.tracing_padding_rows):
+        # until a traced step shows that none of its layers computes batch statistics.
+        self._padding_rows_matter = builder.padding_rows_may_matter(mode)
         self._readings = {}  # (cores' layout, padding rows) -> the device step reading weight copies (see _reading)
         self._jitted = {}  # (reads copies, cores' layout, padding rows) -> the jitted program (see _program)
         self._executables = {}
@@ -1240,8 +1247,7 @@ class _Program:
         x = keras.utils.unpack_x_y_sample_weight(stacked.data)[0]
         shapes = tree.map_structure(lambda a: a[:, 0], x, none_is_leaf=False)  # one step's rows
         form = (", cores in a loop" if layout == LOOPED else "") + (
-            ", for batches with padding rows (BatchNormalization over the real rows)"
-            if self._padding_rows_matter and padding_rows else "")
+            ", for batches with padding rows (BatchNormalization over the real rows)" if padding_rows else "")
         logger.info("Compiled the TPU %s program (global batch %d%s, %d step(s) per call%s) in %.1f s; inputs "
                     "%s%s.", self.purpose, self.stacker.global_batch, padding, stacked.steps, form,
                     time.perf_counter() - started, describe_input_shapes(shapes),
@@ -1286,7 +1292,7 @@ class _Program:
         returned = same_arrays(jax.tree.leaves(state), self._last_state)  # Keras hands the state back as it is
         args = self._place(state, stacked, returned)
         layout = self._trial.layout() if self._trial is not None else self._cores_layout or MERGED
-        padding_rows = not self._padding_rows_matter or stacked.has_padding_rows
+        padding_rows = self._padding_rows_matter and stacked.has_padding_rows
         # A step's state has the shapes of the state it was given, so after the first step only the batch can
         # change which program runs: its numpy shapes are a cheaper key than every weight's (~15 us per step).
         batch_leaves, batch_structure = jax.tree.flatten(stacked.data)
@@ -1301,6 +1307,9 @@ class _Program:
         else:
             # (a failure keeps the weights: see ReplicatedSteps._state_kept_on_error)
             executable, compiled = self._executable(args, stacked, layout, padding_rows)
+            if compiled and not self.builder.computes_batch_statistics:
+                # No layer of the traced step computes batch statistics: one program serves every batch.
+                self._padding_rows_matter = False
         self._last_call = batch_key, executable
         if not pod.is_multi_worker():
             started = time.perf_counter()

@@ -176,6 +176,41 @@ def test_only_batches_with_padding_rows_run_batch_normalizations_weighted_statis
     assert "for batches with padding rows (BatchNormalization over the real rows)" in compiled[1]
 
 
+class _NormalizedWithMovingStatistics(keras.layers.Layer):
+    """Calls its BatchNormalization in inference mode, in training too."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.normalization = keras.layers.BatchNormalization()
+
+    def call(self, x):
+        return self.normalization(x, training=False)
+
+
+@pytest.mark.parametrize("how", ["frozen", "called with training=False"])
+def test_batch_normalization_in_inference_mode_keeps_one_program_for_partial_batches(how, caplog):
+    """A frozen base model (keras.io's transfer learning), or a layer that calls its BatchNormalization with
+    ``training=False``, normalises with the moving statistics in training too: a partial batch runs the full
+    batches' program (the first found from the layers, the second from the traced step)."""
+    caplog.set_level(logging.INFO, logger="keras_tpu")
+    keras.utils.set_random_seed(0)
+    if how == "frozen":
+        base = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.BatchNormalization()])
+        base.trainable = False
+    else:
+        base = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), _NormalizedWithMovingStatistics()])
+    model = keras.Sequential([keras.Input((6,)), base, keras.layers.Dense(3, activation="softmax")])
+    model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+    rng = np.random.default_rng(4)
+    x, y = rng.standard_normal((200, 6)).astype("float32"), rng.integers(0, 3, (200,))
+    tpu = on_tpu(model, "highest")
+    tpu.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)  # 3 full batches and one of 8 rows
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiled the TPU train")]
+    assert len(compiled) == 1 and "padding rows" not in compiled[0]
+    bn = next(layer for layer in tpu.cpu_model._flatten_layers() if isinstance(layer, keras.layers.BatchNormalization))
+    np.testing.assert_array_equal(bn.moving_mean.numpy(), np.zeros(8))  # never updated: inference mode
+
+
 def test_single_core_batch_normalization_on_a_partial_batch_equals_the_cpu():
     """With one core, a last batch of 13 rows padded to 16 normalises its 13 rows alone, as the CPU does."""
     rng = np.random.default_rng(2)
