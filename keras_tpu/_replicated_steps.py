@@ -625,9 +625,9 @@ class ReplicatedSteps:
         compiles one program; a partial last batch (or a batch size that does
         not divide over the cores) compiles the weighted one, once, where a
         traced step computed batch statistics (:attr:`computes_batch_statistics`):
-        not for a frozen base model, nor for one called with ``training=False``
-        (keras.io's fine-tuning), whose layers normalise with their moving
-        statistics.
+        not for a frozen base model (keras.io's transfer learning), nor for a
+        layer that calls its normalization with ``training=False``, which
+        normalise with their moving statistics.
         """
         previous, self._tracing_padding_rows = self._tracing_padding_rows, padding_rows
         try:
