@@ -1141,11 +1141,9 @@ class _Program:
         self._in_flight = ProgramsInFlight(self.layout.max_programs_in_flight)
         builder.last_programs[mode] = self
 
-    def _device_step(self, layout, padding_rows=True):
+    def _device_step(self, layout, padding_rows):
         """The device step, traced with the cores in ``layout`` where the program may choose it, for batches
         with ``padding_rows`` or without."""
-        if layout == MERGED and padding_rows:
-            return self._device_fn
         builder, device_fn = self.builder, self._device_fn
 
         def step_in_form(*args):
@@ -1154,7 +1152,7 @@ class _Program:
 
         return step_in_form
 
-    def _reading(self, layout, padding_rows=True):
+    def _reading(self, layout, padding_rows):
         """The device step in ``layout`` as it reads bfloat16 weight copies (``None`` when it reads none)."""
         if not self.rounds_weights:
             return None
@@ -1164,7 +1162,7 @@ class _Program:
                                                                            self.builder.precision)
         return self._readings[key]
 
-    def _program(self, copies, layout=MERGED, padding_rows=True):
+    def _program(self, copies, layout, padding_rows):
         """The jitted program of this mode, its products reading bfloat16 weight copies (``copies``) or not,
         its cores in ``layout`` where it may choose, for batches with ``padding_rows`` or without (see
         :meth:`ReplicatedSteps.tracing_padding_rows`).
