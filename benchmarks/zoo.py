@@ -28,7 +28,7 @@ step), evaluation examples/s (best of 3 ``evaluate`` passes), the process CPU se
 training step, compile time (the first ``fit`` and ``evaluate`` calls minus a steady
 step, plus what the timed ``evaluate`` passes took beyond the best one: keras-tpu compiles a
 second layout of a convolutional model's inference program there, see
-``keras_tpu._replicated_steps.LayoutTrial``), and peak host memory (``ru_maxrss``). Configurations run interleaved model by
+``keras_tpu._programs.LayoutTrial``), and peak host memory (``ru_maxrss``). Configurations run interleaved model by
 model; ``--repeats 2`` runs them a second time in reverse order and keeps each
 configuration's best. Prints a Markdown table of figures and ratios to plain Keras (and
 the geometric mean of the ratios), and writes ``benchmarks/results/zoo.json``.

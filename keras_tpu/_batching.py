@@ -7,7 +7,7 @@ rows carry a mask of 0, which keeps them out of the loss, gradients, metrics
 and predictions. The last, partial batch of an epoch therefore reuses the same
 compiled program (but for training a model with ``BatchNormalization``, whose
 statistics over the real rows cost a program of their own, compiled once: see
-``ReplicatedSteps.tracing_padding_rows``). A padding row is a copy of the
+``keras_tpu._programs.ProgramForm``). A padding row is a copy of the
 batch's first row, not zeros: a row of zero token ids is entirely masked
 (``Embedding(mask_zero=True)``, ``Masking``), and a mask-aware average over
 it (``GlobalAveragePooling1D``) divides 0 by 0; a weight of 0 cannot keep

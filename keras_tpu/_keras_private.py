@@ -668,7 +668,7 @@ def batch_statistics_of_rows(model, rows, computed=None):
 
     For batches with padding rows; keras-tpu traces its full batches with
     ``rows`` None, to learn whether any layer computes batch statistics at
-    all (see ``ReplicatedSteps.tracing_padding_rows``). A Keras mask the
+    all (see ``keras_tpu._programs.ProgramForm``). A Keras mask the
     layer gets is applied as Keras applies it. A batch with no row counted
     keeps the statistics of all its rows (finite: its share of the moving
     statistics and of the loss is 0). Layers that override ``_moments`` keep

@@ -48,11 +48,9 @@ steps runs instead (compiled once per count): inactive steps cost nothing.
 """
 
 import collections
-import concurrent.futures
 import contextlib
 import functools
 import itertools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -61,26 +59,18 @@ import numpy as np
 from jax import lax
 from keras import tree
 
-from keras_tpu import _keras_private, _hbm as hbm, _host as host, _pod as pod, _rewrite as rewrite, _rounded_weights
+from keras_tpu import _hbm as hbm, _keras_private, _rewrite as rewrite
 from keras_tpu._logging import logger
-from keras_tpu._batching import BatchStacker, describe_input_shapes, same_shape_runs, unstack_outputs
-from keras_tpu._cores import REPLICATED, ROWS, CoreLayout, ProgramsInFlight, same_arrays
+from keras_tpu._cores import CoreLayout
 from keras_tpu._custom_steps import (CustomSteps, couples_rows_in_training, custom_step_methods, random_in_training,
                                      rows_interact)
-from keras_tpu.mxu import _kernels as kernels
-from keras_tpu.mxu._numerics import Precision, canonical_precision
+from keras_tpu._programs import LOOPED, Program, ProgramForm
+from keras_tpu.mxu._numerics import canonical_precision
 from keras_tpu.mxu._routing import mxu_rule
 from keras_tpu._vector_unit import vector_unit_rule
 
 # Golden-ratio stride separating the per-core random streams of a seed generator.
 SEED_STRIDE = 0x9E3779B1
-
-#: How an inference program whose rows are independent lays a device's cores (see ReplicatedSteps._cores_merged):
-#: all their rows as one batch, or core by core in a loop.
-MERGED, LOOPED = "merged", "looped"
-
-#: Compiles programs in the background while the caller estimates their HBM footprint (see _Program._executable).
-_COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="keras-tpu-compile")
 
 
 def _losses_summed(step):
@@ -233,9 +223,8 @@ class ReplicatedSteps:
         self._rows_independent = None  # rows merged at inference, decided on first use (see _cores_merged)
         self._rows_independent_in_training = None  # decided on the first training program (see _cores_merged)
         self.layout_choices = set()  # inference modes whose programs may run merged or looped (see _cores_merged)
-        self._tracing_layout = None  # the inference layout being traced (see tracing_inference_layout)
-        self._tracing_padding_rows = True  # whether the training step being traced may see padding rows (see below)
-        self.computes_batch_statistics = False  # whether a traced training step did (see tracing_padding_rows)
+        self._tracing_form = ProgramForm()  # the form of the step being traced (see tracing_form)
+        self.computes_batch_statistics = False  # whether a traced training step did (see ProgramForm.padding_rows)
         self._core_forwards = {}  # one core's forward pass per input shape (see _core_forward)
         self._shared_traces = {}  # pieces of a step traced once, replayed (see _traced_once)
         self._padding_rows_count = {}  # why padding rows would count (or ''), per batch shape
@@ -291,7 +280,7 @@ class ReplicatedSteps:
             return self._state_kept_on_error("train", CustomSteps(self).function("train", steps_per_execution))
         return self._state_kept_on_error("train", self._unless_padding_rows_count(
             "train", steps_per_execution,
-            _Program("train", self, steps_per_execution, self._device_train_returning_gradients).run_for_logs,
+            Program("train", self, steps_per_execution, self._device_train_returning_gradients).run_for_logs,
             probe_rows=not graph_per_core))
 
     def test_function(self, steps_per_execution=1):
@@ -300,7 +289,7 @@ class ReplicatedSteps:
         if "test_step" in self.custom:
             return self._state_kept_on_error("test", CustomSteps(self).function("test", steps_per_execution))
         return self._state_kept_on_error("test", self._unless_padding_rows_count(
-            "test", steps_per_execution, _Program("test", self, steps_per_execution, self._device_test).run_for_logs))
+            "test", steps_per_execution, Program("test", self, steps_per_execution, self._device_test).run_for_logs))
 
     def _state_kept_on_error(self, mode, function):
         """``function`` (a step function of Keras' loops), which puts the ``state`` it was given back into the
@@ -438,7 +427,7 @@ class ReplicatedSteps:
         self._refuse_stateful_layers()
         if "predict_step" in self.custom:
             return self._state_kept_on_error("predict", CustomSteps(self).function("predict", steps_per_execution))
-        program = _Program("predict", self, steps_per_execution, self._device_predict, purpose=purpose)
+        program = Program("predict", self, steps_per_execution, self._device_predict, purpose=purpose)
         if graph_per_core:
             return self._state_kept_on_error("predict", program.run_for_outputs)
         return self._state_kept_on_error("predict", self._unless_padding_rows_count(
@@ -450,14 +439,14 @@ class ReplicatedSteps:
         program = self.last_programs.get("train")
         return program.stacker.global_batch if program else None
 
-    def hbm_footprint(self, mode, args, padding_rows=True):
+    def hbm_footprint(self, mode, args, form=ProgramForm()):
         """The per-core HBM one step of this mode's program needs on the accelerator (:mod:`keras_tpu._hbm`),
         or ``None`` when not checked (a CPU placement).
 
         ``args`` are the device program's arguments; one core's step is traced
         abstractly (nothing runs), with one core's rows and the whole replicated
-        state, as each TPU core holds its own copy, for batches with
-        ``padding_rows`` or without (see :meth:`tracing_padding_rows`).
+        state, as each TPU core holds its own copy, in ``form`` (a
+        :class:`keras_tpu._programs.ProgramForm`).
         """
         if self.accelerator_type is None:
             return None
@@ -466,7 +455,7 @@ class ReplicatedSteps:
         # A core's rows are the same here: share the forward pass already traced for them (ResNet-20: 0.2 s less).
         one_core._core_forwards = self._core_forwards
         one_core._shared_traces = self._shared_traces  # its core's gradient and the update: traced already
-        one_core._tracing_padding_rows = padding_rows  # (the same trace of a core's gradient)
+        one_core._tracing_form = form  # (the same trace of a core's gradient)
         device_fn = {"train": one_core._device_train, "test": one_core._device_test,
                      "predict": one_core._device_predict}[mode]
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
@@ -597,53 +586,27 @@ class ReplicatedSteps:
         if self.looped_cores is None and self._cores_looped(trainable, non_trainable, x):
             # Which runs faster depends on how XLA:CPU fuses the model's convolutions: measured (LayoutTrial).
             self.layout_choices.add(mode)
-            return self._tracing_layout != LOOPED
+            return self._tracing_form.layout != LOOPED
         return True
 
     def padding_rows_may_matter(self, mode):
         """Whether ``mode``'s programs may take a form of their own for batches with padding rows (see
-        :meth:`tracing_padding_rows`): training programs of a model with a trainable ``BatchNormalization``.
-        Whether one does is known once a step is traced (:attr:`computes_batch_statistics`)."""
+        :attr:`keras_tpu._programs.ProgramForm.padding_rows`): training programs of a model with a trainable
+        ``BatchNormalization``. Whether one does is known once a step is traced
+        (:attr:`computes_batch_statistics`)."""
         return mode == "train" and any(layer.trainable for layer in _keras_private.batch_normalizations(self.model))
 
     @contextlib.contextmanager
-    def tracing_padding_rows(self, padding_rows):
-        """Training steps traced in the block are for batches with padding rows (``True``, the default) or
-        for batches whose every row is real (``False``).
-
-        Batch normalization's training statistics must leave padding rows out:
-        a step for batches with padding rows weighs each row by its mask
-        (:func:`keras_tpu._keras_private.batch_statistics_of_rows`); one for
-        full batches runs Keras' own statistics (``ops.moments``, to the last
-        bit). Two programs, not one that branches on the mask (``lax.cond``):
-        the weighted sums cost 8-9% of a step (the CIFAR-10 CNN's 1333
-        against 1225 ms), and XLA compiles both branches of a ``cond`` and
-        their gradients: ResNet-20's training program compiled in 3.2-3.5 s
-        without them against 4.2-4.3 s, MobileNet's in 4.2-4.8 against
-        5.0-5.8 s, the CIFAR CNN's in 3.2-3.3 against 3.3-4.1 s (plain Keras:
-        2.5-2.8 s for ResNet-20). A fit whose batches all split evenly
-        compiles one program; a partial last batch (or a batch size that does
-        not divide over the cores) compiles the weighted one, once, where a
-        traced step computed batch statistics (:attr:`computes_batch_statistics`):
-        not for a frozen base model (keras.io's transfer learning), nor for a
-        layer that calls its normalization with ``training=False``, which
-        normalise with their moving statistics.
-        """
-        previous, self._tracing_padding_rows = self._tracing_padding_rows, padding_rows
+    def tracing_form(self, form):
+        """Steps traced in the block take ``form`` (a :class:`keras_tpu._programs.ProgramForm`): inference
+        programs run their cores ``LOOPED`` where they could also run them ``MERGED`` (see
+        :meth:`_cores_merged`), training steps weigh batch statistics by the row mask for batches with padding
+        rows or run Keras' own."""
+        previous, self._tracing_form = self._tracing_form, form
         try:
             yield
         finally:
-            self._tracing_padding_rows = previous
-
-    @contextlib.contextmanager
-    def tracing_inference_layout(self, layout):
-        """Inference programs traced in the block run their cores ``LOOPED`` where they could also run them
-        ``MERGED`` (see :meth:`_cores_merged`); ``None`` or ``MERGED``: the default, merged."""
-        previous, self._tracing_layout = self._tracing_layout, layout
-        try:
-            yield
-        finally:
-            self._tracing_layout = previous
+            self._tracing_form = previous
 
     def _core_forward(self, trainable, non_trainable, x):
         """What one core's forward pass on its rows of ``x`` produces and runs: ``(output shapes, convolution
@@ -948,8 +911,8 @@ class ReplicatedSteps:
                 optimizer_variables=optimizer_values)
             return loss / units, (unscaled, y_pred, new_non_trainable)
 
-        # Batch statistics over each core's real rows, as on the CPU (see tracing_padding_rows).
-        padding_rows = self._tracing_padding_rows
+        # Batch statistics over each core's real rows, as on the CPU (see ProgramForm.padding_rows).
+        padding_rows = self._tracing_form.padding_rows
 
         def computed_batch_statistics():
             self.computes_batch_statistics = True
@@ -1048,320 +1011,3 @@ class ReplicatedSteps:
         metrics_values = self._update_metrics(metrics_values, mean_loss, real_rows, x, y,
                                               y_pred, mask, metric_weight, tracker_weight, output_masks)
         return (trainable, non_trainable, metrics_values)
-
-
-class LayoutTrial:
-    """Chooses how an inference program lays its cores by timing both layouts on its first batches.
-
-    For a model with convolutions and independent rows, evaluating the cores'
-    rows as one batch or core by core computes the same; which runs faster
-    depends on how XLA:CPU fuses the model's convolutions (see
-    ``ReplicatedSteps._cores_merged``). The program's first call runs merged
-    (compiled and warmed up); the calls after it follow :attr:`SCHEDULE`, each
-    timed to its end (a run that compiled is not counted), and the layout with
-    the best time per step is kept from then on: merged unless looped is at
-    least :attr:`MARGIN` faster. The trial stops at its first run, merged, if
-    that took less than :attr:`MIN_STEP_SECONDS`: a few milliseconds cannot be
-    timed reliably here (keras.io's MNIST convnet and Conv1D classifier timed
-    faster looped in single runs and ran 0.78-0.87x plain Keras' speed so,
-    against 0.95x merged). The batches of the trial are the user's own, and
-    each computes its real result.
-
-    Example:
-        >>> trial = LayoutTrial()
-        >>> for seconds in (0.26, None, 0.20, 0.27, 0.19, 0.26):   # merged, looped (compiled), looped, ...
-        ...     chosen = trial.record(trial.layout(), seconds)
-        >>> chosen
-        'looped'
-    """
-
-    SCHEDULE = (MERGED, LOOPED, LOOPED, MERGED, LOOPED, MERGED)
-    MARGIN = 0.03
-    MIN_STEP_SECONDS = 0.05
-
-    def __init__(self):
-        self._runs = 0
-        self.best = {MERGED: float("inf"), LOOPED: float("inf")}  # seconds per step
-
-    def layout(self):
-        """The layout the next call runs."""
-        return self.SCHEDULE[self._runs]
-
-    def record(self, layout, seconds_per_step):
-        """Note a call's time per step (``None``: not comparable, it compiled); the chosen layout once the
-        trial is over, else ``None``."""
-        if seconds_per_step is not None:
-            self.best[layout] = min(self.best[layout], seconds_per_step)
-        self._runs += 1
-        if self._runs == 1 and self.best[MERGED] < self.MIN_STEP_SECONDS:
-            return MERGED
-        if self._runs < len(self.SCHEDULE):
-            return None
-        return LOOPED if self.best[LOOPED] < (1 - self.MARGIN) * self.best[MERGED] else MERGED
-
-
-class _Program:
-    """The compiled programs of one mode (one per number of stacked steps) and their feeding."""
-
-    #: How the device program's arguments (state, data, mask, real rows) lie over the devices; the bfloat16
-    #: weight copies follow the state, replicated.
-    _ARGUMENT_SPECS = (REPLICATED, ROWS, ROWS, REPLICATED)
-
-    def __init__(self, mode, builder, steps_per_execution, device_fn, purpose=None):
-        steps_per_execution = int(steps_per_execution)
-        if steps_per_execution < 1:
-            raise ValueError(f"steps_per_execution must be a positive integer; got {steps_per_execution}.")
-        self.mode = mode
-        self.purpose = purpose or mode  # what the log calls it
-        self.builder = builder
-        self.layout = builder.layout
-        self.stacker = BatchStacker(self.layout.num_cores, steps_per_execution)
-        # Default-precision products read bfloat16 copies of the weights they multiply (see
-        # keras_tpu._rounded_weights), passed after the state. Evaluation and prediction do not change the weights:
-        # their copies are made once per state. A training step changes them: where its products have few rows
-        # (keras_tpu._rounded_weights.TRAINING_COPIES_BELOW_ROWS) it returns the copies of the weights it wrote,
-        # rounded in the optimizer update's own pass, for the next step to read (forward products and input
-        # gradients alike), instead of rounding every weight again in each of its products.
-        self.rounds_weights = builder.on_mxu and builder.precision is Precision.DEFAULT
-        self._device_fn = device_fn
-        # Whether batches with padding rows run a program of their own (ReplicatedSteps.tracing_padding_rows):
-        # until a traced step shows that none of its layers computes batch statistics.
-        self._padding_rows_matter = builder.padding_rows_may_matter(mode)
-        self._readings = {}  # (cores' layout, padding rows) -> the device step reading weight copies (see _reading)
-        self._jitted = {}  # (reads copies, cores' layout, padding rows) -> the jitted program (see _program)
-        self._executables = {}
-        # How the cores lie in an inference program that may merge them (ReplicatedSteps.layout_choices): None
-        # (merged) until the LayoutTrial started after the first call has timed both, once per program.
-        self._cores_layout = None
-        self._trial = None
-        self._copies = _rounded_weights.WeightCopies()  # the bfloat16 weight copies the next call reads
-        self._reads_copies = self.rounds_weights  # whether the program of the last call reads copies
-        self._last_state = []  # the leaves of the state the last call returned
-        self._last_call = None  # ((the batch's shapes and dtypes, the cores' layout), the executable) of the last call
-        self._in_flight = ProgramsInFlight(self.layout.max_programs_in_flight)
-        builder.last_programs[mode] = self
-
-    def _device_step(self, layout, padding_rows):
-        """The device step, traced with the cores in ``layout`` where the program may choose it, for batches
-        with ``padding_rows`` or without."""
-        builder, device_fn = self.builder, self._device_fn
-
-        def step_in_form(*args):
-            with builder.tracing_inference_layout(layout), builder.tracing_padding_rows(padding_rows):
-                return device_fn(*args)
-
-        return step_in_form
-
-    def _reading(self, layout, padding_rows):
-        """The device step in ``layout`` as it reads bfloat16 weight copies (``None`` when it reads none)."""
-        if not self.rounds_weights:
-            return None
-        key = layout, padding_rows
-        if key not in self._readings:
-            self._readings[key] = _rounded_weights.reading_rounded_weights(self._device_step(layout, padding_rows),
-                                                                           self.builder.precision)
-        return self._readings[key]
-
-    def _program(self, copies, layout, padding_rows):
-        """The jitted program of this mode, its products reading bfloat16 weight copies (``copies``) or not,
-        its cores in ``layout`` where it may choose, for batches with ``padding_rows`` or without (see
-        :meth:`ReplicatedSteps.tracing_padding_rows`).
-
-        Either way it takes ``(state, copies, data, mask, real rows)``; a training program reading copies also
-        returns those of the weights it wrote. Both forms run the device step as traced once by
-        :class:`keras_tpu._rounded_weights.ReadingRoundedWeights`.
-        """
-        key = copies, layout, padding_rows
-        if key in self._jitted:
-            return self._jitted[key]
-        reading, train = self._reading(layout, padding_rows), self.mode == "train"
-        if reading is None:
-            device_fn = self._device_step(layout, padding_rows)
-
-            def step_fn(state, _no_copies, *rest):
-                return device_fn(state, *rest)
-        else:
-            step_fn = reading.step(copies, returns_copies=train)
-        # (logs or outputs, state), a training step's gradients (see _device_train_returning_gradients) and the
-        # weight copies it returns
-        outputs = ((ROWS if self.mode == "predict" else REPLICATED, REPLICATED) + ((REPLICATED,) if train else ())
-                   + ((REPLICATED,) if copies and train else ()))
-        self._jitted[key] = jax.jit(
-            self.layout.per_device(rewrite.transform(step_fn, self.builder.rule),
-                                   in_specs=(REPLICATED, REPLICATED) + self._ARGUMENT_SPECS[1:], out_specs=outputs),
-            donate_argnums=(0, 1) if copies and train else 0)
-        return self._jitted[key]
-
-    def _place(self, state, stacked, returned):
-        args = (state, stacked.data, stacked.mask, stacked.real_rows)
-        # Per-step Python overhead counts on small models: the state the last step returned stays where it is
-        # (device_put costs ~8 us per array even then) and the batch goes to the compiled program as host
-        # arrays, which its C++ call places by its own input shardings.
-        if returned and not pod.is_multi_worker():
-            return args
-        leaves = jax.tree.leaves(state)
-        replicated, by_rows = self.layout.replicated_sharding(), self.layout.batch_sharding()
-        # A Keras variable's value on a one-device layout's device is placed already.
-        on_cores = lambda a: isinstance(a, jax.Array) and (a.sharding == replicated or
-                                                           a.sharding.is_equivalent_to(replicated, a.ndim))
-        state_placed = all(on_cores(a) for a in leaves)
-        if not state_placed:
-            logger.debug("Copying weights to the TPU cores.")
-        if pod.is_multi_worker():  # each worker places only its own cores' share
-            shardings = (replicated, by_rows, by_rows, replicated)
-            put = lambda tree, sharding: jax.tree.map(lambda a: a if on_cores(a) and sharding == replicated
-                                                      else pod.global_array(a, sharding), tree)
-            return tuple(put(arg, sharding) for arg, sharding in zip(args, shardings))
-        if state_placed:
-            return args
-        return (jax.device_put(state, replicated),) + args[1:]
-
-    def _executable(self, args, stacked, layout, padding_rows):
-        """``(executable, whether it was compiled now)`` of this mode's program for ``args``, cores in ``layout``,
-        for batches with ``padding_rows`` or without."""
-        leaves, structure = jax.tree.flatten(args)
-        signature = structure, tuple((a.shape, a.dtype) for a in leaves)
-        key = signature + (layout, padding_rows)
-        executable = self._executables.get(key)
-        if executable is not None:
-            return executable, False
-        started = time.perf_counter()
-        # XLA compiles without holding the GIL, so the per-core HBM estimate (a Python trace of one
-        # core's step) runs meanwhile: ResNet-20's first step is ready 0.7 s sooner.
-        traced = self._program(self._reads_copies, layout, padding_rows).trace(*args)
-        # XLA:CPU's options on this host, for this kind of program (see keras_tpu.mxu._kernels.compiler_options).
-        compiling = _COMPILER.submit(traced.lower().compile, kernels.compiler_options(self.mode, traced.jaxpr))
-        # A TPU keeps no bf16 copies. One core's step needs the same HBM in either layout: checked once per shape.
-        checked = any(signature + (other, rows) in self._executables for other in (MERGED, LOOPED)
-                      for rows in (False, True))
-        footprint = None if checked else self.builder.hbm_footprint(self.mode, (args[0],) + args[2:], padding_rows)
-        if footprint is not None:
-            footprint.check()  # a program that would not fit a core's HBM fails here, as on a TPU
-        executable = compiling.result()
-        host.release_freed_memory()  # the compiler's scratch: the process's peak memory stays below plain Keras'
-        self._executables[key] = executable
-        real = int(stacked.real_rows.max())
-        padding = "" if real == self.stacker.global_batch else f", {real} real rows"
-        x = keras.utils.unpack_x_y_sample_weight(stacked.data)[0]
-        shapes = tree.map_structure(lambda a: a[:, 0], x, none_is_leaf=False)  # one step's rows
-        form = (", cores in a loop" if layout == LOOPED else "") + (
-            ", for batches with padding rows (BatchNormalization over the real rows)" if padding_rows else "")
-        logger.info("Compiled the TPU %s program (global batch %d%s, %d step(s) per call%s) in %.1f s; inputs "
-                    "%s%s.", self.purpose, self.stacker.global_batch, padding, stacked.steps, form,
-                    time.perf_counter() - started, describe_input_shapes(shapes),
-                    "" if footprint is None else f"; {footprint.describe()}")
-        self.builder.note_compiled_shape(self.mode, describe_input_shapes(shapes, rows=0))
-        return executable, True
-
-    def _round_weights(self, args, layout, padding_rows):
-        """Make the bfloat16 copies the program reads of the weights in ``args`` (see keras_tpu._rounded_weights),
-        unless the copies at hand are of these weights already.
-
-        Only weights the program's products multiply get a copy (traced abstractly once per shape, a trace the
-        compile reuses), not a table that is only looked up. A new evaluate() resets the metrics but passes back
-        the weights: they are rounded once per set of weights.
-        """
-        self._reads_copies, read = self._reading(layout, padding_rows).copies_to_make(
-            *self.layout.device_shapes(args, self._ARGUMENT_SPECS), training=self.mode == "train",
-            axis_env=self.layout.axis_env())
-        self._copies.for_weights(jax.tree.leaves(args[0][0]), read)
-
-    def _call(self, state, iterator):
-        """Run the next ``steps_per_execution`` batches: ``[((logs or outputs, state), stacked batches)]``, one
-        entry per program call, in order (batches of other shapes than the previous one's call another)."""
-        batches = []
-        for _ in range(self.stacker.steps):
-            try:
-                batches.append(next(iterator))
-            except StopIteration:
-                break
-        if not batches:
-            raise StopIteration
-        if self.mode == "predict":
-            batches = [(keras.utils.unpack_x_y_sample_weight(b)[0], None, None) for b in batches]
-        results = []
-        for run in same_shape_runs(batches):
-            results.append(self._call_program(state, run))
-            state = results[-1][0][1]
-        return results
-
-    def _call_program(self, state, batches):
-        stacked = self.stacker.stack(batches)
-        returned = same_arrays(jax.tree.leaves(state), self._last_state)  # Keras hands the state back as it is
-        args = self._place(state, stacked, returned)
-        layout = self._trial.layout() if self._trial is not None else self._cores_layout or MERGED
-        padding_rows = self._padding_rows_matter and stacked.has_padding_rows
-        # A step's state has the shapes of the state it was given, so after the first step only the batch can
-        # change which program runs: its numpy shapes are a cheaper key than every weight's (~15 us per step).
-        batch_leaves, batch_structure = jax.tree.flatten(stacked.data)
-        batch_key = batch_structure, tuple((a.shape, a.dtype) for a in batch_leaves), layout, padding_rows
-        same_program = returned and self._last_call is not None and self._last_call[0] == batch_key
-        if self.rounds_weights and not same_program:
-            self._round_weights(args, layout, padding_rows)
-        args = (args[0], self._copies.copies) + args[1:]
-        compiled = False
-        if same_program:
-            executable = self._last_call[1]
-        else:
-            # (a failure keeps the weights: see ReplicatedSteps._state_kept_on_error)
-            executable, compiled = self._executable(args, stacked, layout, padding_rows)
-            if compiled and not self.builder.computes_batch_statistics:
-                # No layer of the traced step computes batch statistics: one program serves every batch.
-                self._padding_rows_matter = False
-        self._last_call = batch_key, executable
-        if not pod.is_multi_worker():
-            started = time.perf_counter()
-            result = self._kept_copies(executable(*args))
-            self._last_state = jax.tree.leaves(result[1])
-            self._in_flight.add(result[0])  # logs or outputs: the state is donated to the next call
-            self._time_layout(layout, result, started, stacked.steps, compiled)
-            return result, stacked
-        try:
-            return self._kept_copies(jax.block_until_ready(executable(*args))), stacked
-        except Exception as error:  # a collective with a worker that is gone
-            raise pod.WorkerLostError(
-                f"The TPU {self.purpose} step failed because a worker of the pod stopped ({error}). Restart all "
-                f"workers; training resumes from the last checkpoint.") from error
-
-    def _time_layout(self, layout, result, started, steps, compiled):
-        """Start or continue the :class:`LayoutTrial` of an inference program that may choose its cores' layout.
-
-        Not on a pod: every worker must run the same program, and each would time its own.
-        """
-        if self._trial is None:
-            if self._cores_layout is None and compiled and self.mode in self.builder.layout_choices:
-                self._trial = LayoutTrial()  # the first call compiled and warmed the merged program
-            return
-        jax.block_until_ready(result)
-        chosen = self._trial.record(layout, None if compiled else (time.perf_counter() - started) / steps)
-        if chosen is None:
-            return
-        best = self._trial.best
-        if best[LOOPED] != float("inf"):  # else too short to time (see LayoutTrial): merged, nothing to report
-            logger.info("The TPU %s program runs its cores %s: %.0f ms per step looped, %.0f ms merged.",
-                        self.purpose, "in a loop" if chosen == LOOPED else "as one batch", 1e3 * best[LOOPED],
-                        1e3 * best[MERGED])
-        self._cores_layout, self._trial = chosen, None
-
-    def _kept_copies(self, result):
-        """``(outputs or logs, state)`` of a program's result (a training step's gradients dropped); the bfloat16
-        copies it read, or those a training step returned of the weights it wrote, are kept for the next call."""
-        if self.rounds_weights:
-            returned = result[3] if self.mode == "train" and len(result) == 4 else None
-            self._copies.returned(jax.tree.leaves(result[1][0]), returned)
-        if self.mode == "train" and result[2]:
-            # A step with large gradients of its own runs alone: a second in flight holds a second set (the
-            # embedding model peaked at 538 MiB with two, 496 with one, plain Keras 512-522; as fast).
-            self._in_flight.limit = 1
-        return result[:2]
-
-    def run_for_logs(self, state, iterator):
-        (logs, state), _ = self._call(state, iterator)[-1]
-        return (pod.to_host(logs) if pod.is_multi_worker() else logs), state
-
-    def run_for_outputs(self, state, iterator):
-        results = self._call(state, iterator)
-        parts = [unstack_outputs(pod.to_host(outputs) if pod.is_multi_worker() else outputs, stacked)
-                 for (outputs, _), stacked in results]
-        outputs = parts[0] if len(parts) == 1 else tree.map_structure(lambda *a: np.concatenate(a), *parts)
-        return outputs, results[-1][0][1]

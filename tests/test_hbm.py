@@ -145,7 +145,7 @@ def test_abstract_weights_leave_no_variables_waiting_to_be_initialised():
 
 
 def test_the_compile_step_path_agrees_with_the_model_path():
-    """What ``_Program`` has at compile time: the device program's arguments and its cores per device."""
+    """What ``keras_tpu._programs.Program`` has at compile time: the device program's arguments and its cores per device."""
     from keras_tpu._cores import CoreLayout
     from keras_tpu._replicated_steps import ReplicatedSteps
 

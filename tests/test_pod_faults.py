@@ -66,7 +66,7 @@ if phase == "start-up" and task == 1:
 sys.path.insert(0, {repo!r})
 import keras_tpu  # joins the pod (and makes Keras use JAX: before keras)
 import keras, numpy as np
-from keras_tpu import _files, _pod, _replicated_steps
+from keras_tpu import _files, _pod, _programs
 from tests.tpu_helpers import classification_data, on_tpu, small_classifier
 
 x, y = classification_data(256)
@@ -82,14 +82,14 @@ if phase == "compile":
     if task == 1:
         mark(phase)
         hold()  # never compiles
-    compile_program = _replicated_steps._Program._executable
+    compile_program = _programs.Program._executable
 
     def executable(self, *args):
         mark(phase)
         hold("killed")  # worker 1 dies before worker 0 compiles its first program
         return compile_program(self, *args)
 
-    _replicated_steps._Program._executable = executable
+    _programs.Program._executable = executable
 
 
 class StopAfterThreeSteps(keras.callbacks.Callback):

@@ -256,7 +256,7 @@ def test_inference_runs_all_rows_at_once_only_for_models_whose_rows_do_not_inter
 
 
 def test_a_layout_trial_keeps_the_faster_layout_and_merged_unless_looped_is_clearly_faster():
-    from keras_tpu._replicated_steps import LOOPED, MERGED, LayoutTrial
+    from keras_tpu._programs import LOOPED, MERGED, LayoutTrial
 
     def chosen(merged, looped):
         trial, times, result = LayoutTrial(), {MERGED: iter(merged), LOOPED: iter(looped)}, None
@@ -336,7 +336,7 @@ def test_a_convolutional_model_keeps_the_mxu_roundings_where_xla_fuses_its_layer
 def test_a_convolutional_model_evaluates_in_the_layout_it_timed_faster_with_the_same_results(monkeypatch, caplog,
                                                                                                faster):
     from keras_tpu._placement import installed_on
-    from keras_tpu._replicated_steps import LOOPED, MERGED, LayoutTrial
+    from keras_tpu._programs import LOOPED, MERGED, LayoutTrial
 
     # Scripted times (the trial's real clock is the machine's, too noisy to test): the faster layout's runs
     # take 1 s per step, the other's 2 s.

@@ -1,0 +1,397 @@
+"""The compiled programs of a model's steps: one per mode, compiled per batch shape and form, fed and run.
+
+:class:`keras_tpu._replicated_steps.ReplicatedSteps` builds what one device
+runs for a step (the train, test or predict device step); a :class:`Program`
+turns it into the programs Keras' loops call. It stacks the batches
+(:mod:`keras_tpu._batching`), traces the device step in the
+:class:`ProgramForm` a batch needs, routes its operations to the MXU
+(:mod:`keras_tpu._rewrite`), jits it over the core layout
+(:mod:`keras_tpu._cores`), compiles it once per shape and form while the
+per-core HBM estimate is traced, makes the bfloat16 weight copies its
+products read (:mod:`keras_tpu._rounded_weights`), and runs it, at most two
+calls in flight. An inference program that may lay its cores either way
+times both on its first batches (:class:`LayoutTrial`).
+"""
+
+import concurrent.futures
+import time
+from typing import NamedTuple
+
+import jax
+import keras
+import numpy as np
+from keras import tree
+
+from keras_tpu import _host as host, _pod as pod, _rewrite as rewrite, _rounded_weights
+from keras_tpu._batching import BatchStacker, describe_input_shapes, same_shape_runs, unstack_outputs
+from keras_tpu._cores import REPLICATED, ROWS, ProgramsInFlight, same_arrays
+from keras_tpu._logging import logger
+from keras_tpu.mxu import _kernels as kernels
+from keras_tpu.mxu._numerics import Precision
+
+#: How an inference program whose rows are independent lays a device's cores (see
+#: ``ReplicatedSteps._cores_merged``): all their rows as one batch, or core by core in a loop.
+MERGED, LOOPED = "merged", "looped"
+
+#: Compiles programs in the background while the caller estimates their HBM footprint (see Program._executable).
+_COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="keras-tpu-compile")
+
+
+class ProgramForm(NamedTuple):
+    """Which form of a mode's device step a program runs; each form is traced and compiled on its own.
+
+    ``layout``: an inference program whose model may lay its cores either way
+    runs them ``MERGED`` (one batch) or ``LOOPED`` (core by core), as its
+    :class:`LayoutTrial` chose; every other program ignores it.
+
+    ``padding_rows``: a training step that weighs batch statistics by the
+    row mask, for batches with padding rows (``True``), or one that runs
+    Keras' own, for batches whose every row is real and for every program
+    whose steps compute no batch statistics (``False``).
+    Batch normalization's training statistics must leave padding rows out:
+    a step for batches with padding rows weighs each row by its mask
+    (:func:`keras_tpu._keras_private.batch_statistics_of_rows`); one for
+    full batches runs Keras' own statistics (``ops.moments``, to the last
+    bit). Two programs, not one that branches on the mask (``lax.cond``):
+    the weighted sums cost 8-9% of a step (the CIFAR-10 CNN's 1333
+    against 1225 ms), and XLA compiles both branches of a ``cond`` and
+    their gradients: ResNet-20's training program compiled in 3.2-3.5 s
+    without them against 4.2-4.3 s, MobileNet's in 4.2-4.8 against
+    5.0-5.8 s, the CIFAR CNN's in 3.2-3.3 against 3.3-4.1 s (plain Keras:
+    2.5-2.8 s for ResNet-20). A fit whose batches all split evenly
+    compiles one program; a partial last batch (or a batch size that does
+    not divide over the cores) compiles the weighted one, once, where a
+    traced step computed batch statistics
+    (``ReplicatedSteps.computes_batch_statistics``): not for a frozen base
+    model (keras.io's transfer learning), nor for a layer that calls its
+    normalization with ``training=False``, which normalise with their moving
+    statistics. Outside a program (a step traced on its own) the default,
+    ``True``, is exact for any batch.
+
+    Example:
+        >>> ProgramForm(MERGED, padding_rows=False).describe()
+        ''
+        >>> ProgramForm(LOOPED, padding_rows=False).describe()
+        ', cores in a loop'
+    """
+
+    layout: str = MERGED
+    padding_rows: bool = True
+
+    def describe(self):
+        """What the compile log says of the form."""
+        return ((", cores in a loop" if self.layout == LOOPED else "") +
+                (", for batches with padding rows (BatchNormalization over the real rows)" if self.padding_rows
+                 else ""))
+
+
+class LayoutTrial:
+    """Chooses how an inference program lays its cores by timing both layouts on its first batches.
+
+    For a model with convolutions and independent rows, evaluating the cores'
+    rows as one batch or core by core computes the same; which runs faster
+    depends on how XLA:CPU fuses the model's convolutions (see
+    ``ReplicatedSteps._cores_merged``). The program's first call runs merged
+    (compiled and warmed up); the calls after it follow :attr:`SCHEDULE`, each
+    timed to its end (a run that compiled is not counted), and the layout with
+    the best time per step is kept from then on: merged unless looped is at
+    least :attr:`MARGIN` faster. The trial stops at its first run, merged, if
+    that took less than :attr:`MIN_STEP_SECONDS`: a few milliseconds cannot be
+    timed reliably here (keras.io's MNIST convnet and Conv1D classifier timed
+    faster looped in single runs and ran 0.78-0.87x plain Keras' speed so,
+    against 0.95x merged). The batches of the trial are the user's own, and
+    each computes its real result.
+
+    Example:
+        >>> trial = LayoutTrial()
+        >>> for seconds in (0.26, None, 0.20, 0.27, 0.19, 0.26):   # merged, looped (compiled), looped, ...
+        ...     chosen = trial.record(trial.layout(), seconds)
+        >>> chosen
+        'looped'
+    """
+
+    SCHEDULE = (MERGED, LOOPED, LOOPED, MERGED, LOOPED, MERGED)
+    MARGIN = 0.03
+    MIN_STEP_SECONDS = 0.05
+
+    def __init__(self):
+        self._runs = 0
+        self.best = {MERGED: float("inf"), LOOPED: float("inf")}  # seconds per step
+
+    def layout(self):
+        """The layout the next call runs."""
+        return self.SCHEDULE[self._runs]
+
+    def record(self, layout, seconds_per_step):
+        """Note a call's time per step (``None``: not comparable, it compiled); the chosen layout once the
+        trial is over, else ``None``."""
+        if seconds_per_step is not None:
+            self.best[layout] = min(self.best[layout], seconds_per_step)
+        self._runs += 1
+        if self._runs == 1 and self.best[MERGED] < self.MIN_STEP_SECONDS:
+            return MERGED
+        if self._runs < len(self.SCHEDULE):
+            return None
+        return LOOPED if self.best[LOOPED] < (1 - self.MARGIN) * self.best[MERGED] else MERGED
+
+
+class Program:
+    """The compiled programs of one mode (one per number of stacked steps) and their feeding."""
+
+    #: How the device program's arguments (state, data, mask, real rows) lie over the devices; the bfloat16
+    #: weight copies follow the state, replicated.
+    _ARGUMENT_SPECS = (REPLICATED, ROWS, ROWS, REPLICATED)
+
+    def __init__(self, mode, builder, steps_per_execution, device_fn, purpose=None):
+        """``builder``: the :class:`keras_tpu._replicated_steps.ReplicatedSteps` whose ``device_fn`` (its
+        device step of ``mode``) this runs; ``purpose``: what the log calls the program (``mode``)."""
+        steps_per_execution = int(steps_per_execution)
+        if steps_per_execution < 1:
+            raise ValueError(f"steps_per_execution must be a positive integer; got {steps_per_execution}.")
+        self.mode = mode
+        self.purpose = purpose or mode  # what the log calls it
+        self.builder = builder
+        self.layout = builder.layout
+        self.stacker = BatchStacker(self.layout.num_cores, steps_per_execution)
+        # Default-precision products read bfloat16 copies of the weights they multiply (see
+        # keras_tpu._rounded_weights), passed after the state. Evaluation and prediction do not change the weights:
+        # their copies are made once per state. A training step changes them: where its products have few rows
+        # (keras_tpu._rounded_weights.TRAINING_COPIES_BELOW_ROWS) it returns the copies of the weights it wrote,
+        # rounded in the optimizer update's own pass, for the next step to read (forward products and input
+        # gradients alike), instead of rounding every weight again in each of its products.
+        self.rounds_weights = builder.on_mxu and builder.precision is Precision.DEFAULT
+        self._device_fn = device_fn
+        # Whether batches with padding rows run a program of their own (ProgramForm.padding_rows): until a
+        # traced step shows that none of its layers computes batch statistics.
+        self._padding_rows_matter = builder.padding_rows_may_matter(mode)
+        self._readings = {}  # ProgramForm -> the device step reading weight copies (see _reading)
+        self._jitted = {}  # (reads copies, ProgramForm) -> the jitted program (see _program)
+        self._executables = {}  # (the arguments' structure, shapes and dtypes; ProgramForm) -> executable
+        # How the cores lie in an inference program that may merge them (ReplicatedSteps.layout_choices): None
+        # (merged) until the LayoutTrial started after the first call has timed both, once per program.
+        self._cores_layout = None
+        self._trial = None
+        self._copies = _rounded_weights.WeightCopies()  # the bfloat16 weight copies the next call reads
+        self._reads_copies = self.rounds_weights  # whether the program of the last call reads copies
+        self._last_state = []  # the leaves of the state the last call returned
+        self._last_call = None  # ((the batch's structure, shapes and dtypes; ProgramForm), executable) of the last call
+        self._in_flight = ProgramsInFlight(self.layout.max_programs_in_flight)
+        builder.last_programs[mode] = self
+
+    def _device_step(self, form):
+        """The device step, traced in ``form`` (a :class:`ProgramForm`)."""
+        builder, device_fn = self.builder, self._device_fn
+
+        def step_in_form(*args):
+            with builder.tracing_form(form):
+                return device_fn(*args)
+
+        return step_in_form
+
+    def _reading(self, form):
+        """The device step in ``form`` as it reads bfloat16 weight copies (``None`` when it reads none)."""
+        if not self.rounds_weights:
+            return None
+        if form not in self._readings:
+            self._readings[form] = _rounded_weights.reading_rounded_weights(self._device_step(form),
+                                                                            self.builder.precision)
+        return self._readings[form]
+
+    def _program(self, copies, form):
+        """The jitted program of this mode in ``form`` (a :class:`ProgramForm`), its products reading bfloat16
+        weight copies (``copies``) or not.
+
+        Either way it takes ``(state, copies, data, mask, real rows)``; a training program reading copies also
+        returns those of the weights it wrote. Both forms run the device step as traced once by
+        :class:`keras_tpu._rounded_weights.ReadingRoundedWeights`.
+        """
+        key = copies, form
+        if key in self._jitted:
+            return self._jitted[key]
+        reading, train = self._reading(form), self.mode == "train"
+        if reading is None:
+            device_fn = self._device_step(form)
+
+            def step_fn(state, _no_copies, *rest):
+                return device_fn(state, *rest)
+        else:
+            step_fn = reading.step(copies, returns_copies=train)
+        # (logs or outputs, state), a training step's gradients (see _device_train_returning_gradients) and the
+        # weight copies it returns
+        outputs = ((ROWS if self.mode == "predict" else REPLICATED, REPLICATED) + ((REPLICATED,) if train else ())
+                   + ((REPLICATED,) if copies and train else ()))
+        self._jitted[key] = jax.jit(
+            self.layout.per_device(rewrite.transform(step_fn, self.builder.rule),
+                                   in_specs=(REPLICATED, REPLICATED) + self._ARGUMENT_SPECS[1:], out_specs=outputs),
+            donate_argnums=(0, 1) if copies and train else 0)
+        return self._jitted[key]
+
+    def _place(self, state, stacked, returned):
+        args = (state, stacked.data, stacked.mask, stacked.real_rows)
+        # Per-step Python overhead counts on small models: the state the last step returned stays where it is
+        # (device_put costs ~8 us per array even then) and the batch goes to the compiled program as host
+        # arrays, which its C++ call places by its own input shardings.
+        if returned and not pod.is_multi_worker():
+            return args
+        leaves = jax.tree.leaves(state)
+        replicated, by_rows = self.layout.replicated_sharding(), self.layout.batch_sharding()
+        # A Keras variable's value on a one-device layout's device is placed already.
+        on_cores = lambda a: isinstance(a, jax.Array) and (a.sharding == replicated or
+                                                           a.sharding.is_equivalent_to(replicated, a.ndim))
+        state_placed = all(on_cores(a) for a in leaves)
+        if not state_placed:
+            logger.debug("Copying weights to the TPU cores.")
+        if pod.is_multi_worker():  # each worker places only its own cores' share
+            shardings = (replicated, by_rows, by_rows, replicated)
+            put = lambda tree, sharding: jax.tree.map(lambda a: a if on_cores(a) and sharding == replicated
+                                                      else pod.global_array(a, sharding), tree)
+            return tuple(put(arg, sharding) for arg, sharding in zip(args, shardings))
+        if state_placed:
+            return args
+        return (jax.device_put(state, replicated),) + args[1:]
+
+    def _executable(self, args, stacked, form):
+        """``(executable, whether it was compiled now)`` of this mode's program in ``form`` for ``args``."""
+        leaves, structure = jax.tree.flatten(args)
+        signature = structure, tuple((a.shape, a.dtype) for a in leaves)
+        key = signature, form
+        executable = self._executables.get(key)
+        if executable is not None:
+            return executable, False
+        started = time.perf_counter()
+        # XLA compiles without holding the GIL, so the per-core HBM estimate (a Python trace of one
+        # core's step) runs meanwhile: ResNet-20's first step is ready 0.7 s sooner.
+        traced = self._program(self._reads_copies, form).trace(*args)
+        # XLA:CPU's options on this host, for this kind of program (see keras_tpu.mxu._kernels.compiler_options).
+        compiling = _COMPILER.submit(traced.lower().compile, kernels.compiler_options(self.mode, traced.jaxpr))
+        # A TPU keeps no bf16 copies. One core's step needs about the same HBM in every form: checked once per shape.
+        checked = any(compiled == signature for compiled, _ in self._executables)
+        footprint = None if checked else self.builder.hbm_footprint(self.mode, (args[0],) + args[2:], form)
+        if footprint is not None:
+            footprint.check()  # a program that would not fit a core's HBM fails here, as on a TPU
+        executable = compiling.result()
+        host.release_freed_memory()  # the compiler's scratch: the process's peak memory stays below plain Keras'
+        self._executables[key] = executable
+        real = int(stacked.real_rows.max())
+        padding = "" if real == self.stacker.global_batch else f", {real} real rows"
+        x = keras.utils.unpack_x_y_sample_weight(stacked.data)[0]
+        shapes = tree.map_structure(lambda a: a[:, 0], x, none_is_leaf=False)  # one step's rows
+        logger.info("Compiled the TPU %s program (global batch %d%s, %d step(s) per call%s) in %.1f s; inputs "
+                    "%s%s.", self.purpose, self.stacker.global_batch, padding, stacked.steps, form.describe(),
+                    time.perf_counter() - started, describe_input_shapes(shapes),
+                    "" if footprint is None else f"; {footprint.describe()}")
+        self.builder.note_compiled_shape(self.mode, describe_input_shapes(shapes, rows=0))
+        return executable, True
+
+    def _round_weights(self, args, form):
+        """Make the bfloat16 copies the program reads of the weights in ``args`` (see keras_tpu._rounded_weights),
+        unless the copies at hand are of these weights already.
+
+        Only weights the program's products multiply get a copy (traced abstractly once per shape, a trace the
+        compile reuses), not a table that is only looked up. A new evaluate() resets the metrics but passes back
+        the weights: they are rounded once per set of weights.
+        """
+        self._reads_copies, read = self._reading(form).copies_to_make(
+            *self.layout.device_shapes(args, self._ARGUMENT_SPECS), training=self.mode == "train",
+            axis_env=self.layout.axis_env())
+        self._copies.for_weights(jax.tree.leaves(args[0][0]), read)
+
+    def _call(self, state, iterator):
+        """Run the next ``steps_per_execution`` batches: ``[((logs or outputs, state), stacked batches)]``, one
+        entry per program call, in order (batches of other shapes than the previous one's call another)."""
+        batches = []
+        for _ in range(self.stacker.steps):
+            try:
+                batches.append(next(iterator))
+            except StopIteration:
+                break
+        if not batches:
+            raise StopIteration
+        if self.mode == "predict":
+            batches = [(keras.utils.unpack_x_y_sample_weight(b)[0], None, None) for b in batches]
+        results = []
+        for run in same_shape_runs(batches):
+            results.append(self._call_program(state, run))
+            state = results[-1][0][1]
+        return results
+
+    def _call_program(self, state, batches):
+        stacked = self.stacker.stack(batches)
+        returned = same_arrays(jax.tree.leaves(state), self._last_state)  # Keras hands the state back as it is
+        args = self._place(state, stacked, returned)
+        form = ProgramForm(self._trial.layout() if self._trial is not None else self._cores_layout or MERGED,
+                           padding_rows=self._padding_rows_matter and stacked.has_padding_rows)
+        # A step's state has the shapes of the state it was given, so after the first step only the batch can
+        # change which program runs: its numpy shapes are a cheaper key than every weight's (~15 us per step).
+        batch_leaves, batch_structure = jax.tree.flatten(stacked.data)
+        batch_key = batch_structure, tuple((a.shape, a.dtype) for a in batch_leaves), form
+        same_program = returned and self._last_call is not None and self._last_call[0] == batch_key
+        if self.rounds_weights and not same_program:
+            self._round_weights(args, form)
+        args = (args[0], self._copies.copies) + args[1:]
+        compiled = False
+        if same_program:
+            executable = self._last_call[1]
+        else:
+            # (a failure keeps the weights: see ReplicatedSteps._state_kept_on_error)
+            executable, compiled = self._executable(args, stacked, form)
+            if compiled and not self.builder.computes_batch_statistics:
+                # No layer of the traced step computes batch statistics: one program serves every batch.
+                self._padding_rows_matter = False
+        self._last_call = batch_key, executable
+        if not pod.is_multi_worker():
+            started = time.perf_counter()
+            result = self._kept_copies(executable(*args))
+            self._last_state = jax.tree.leaves(result[1])
+            self._in_flight.add(result[0])  # logs or outputs: the state is donated to the next call
+            self._time_layout(form.layout, result, started, stacked.steps, compiled)
+            return result, stacked
+        try:
+            return self._kept_copies(jax.block_until_ready(executable(*args))), stacked
+        except Exception as error:  # a collective with a worker that is gone
+            raise pod.WorkerLostError(
+                f"The TPU {self.purpose} step failed because a worker of the pod stopped ({error}). Restart all "
+                f"workers; training resumes from the last checkpoint.") from error
+
+    def _time_layout(self, layout, result, started, steps, compiled):
+        """Start or continue the :class:`LayoutTrial` of an inference program that may choose its cores' layout.
+
+        Not on a pod: every worker must run the same program, and each would time its own.
+        """
+        if self._trial is None:
+            if self._cores_layout is None and compiled and self.mode in self.builder.layout_choices:
+                self._trial = LayoutTrial()  # the first call compiled and warmed the merged program
+            return
+        jax.block_until_ready(result)
+        chosen = self._trial.record(layout, None if compiled else (time.perf_counter() - started) / steps)
+        if chosen is None:
+            return
+        best = self._trial.best
+        if best[LOOPED] != float("inf"):  # else too short to time (see LayoutTrial): merged, nothing to report
+            logger.info("The TPU %s program runs its cores %s: %.0f ms per step looped, %.0f ms merged.",
+                        self.purpose, "in a loop" if chosen == LOOPED else "as one batch", 1e3 * best[LOOPED],
+                        1e3 * best[MERGED])
+        self._cores_layout, self._trial = chosen, None
+
+    def _kept_copies(self, result):
+        """``(outputs or logs, state)`` of a program's result (a training step's gradients dropped); the bfloat16
+        copies it read, or those a training step returned of the weights it wrote, are kept for the next call."""
+        if self.rounds_weights:
+            returned = result[3] if self.mode == "train" and len(result) == 4 else None
+            self._copies.returned(jax.tree.leaves(result[1][0]), returned)
+        if self.mode == "train" and result[2]:
+            # A step with large gradients of its own runs alone: a second in flight holds a second set (the
+            # embedding model peaked at 538 MiB with two, 496 with one, plain Keras 512-522; as fast).
+            self._in_flight.limit = 1
+        return result[:2]
+
+    def run_for_logs(self, state, iterator):
+        (logs, state), _ = self._call(state, iterator)[-1]
+        return (pod.to_host(logs) if pod.is_multi_worker() else logs), state
+
+    def run_for_outputs(self, state, iterator):
+        results = self._call(state, iterator)
+        parts = [unstack_outputs(pod.to_host(outputs) if pod.is_multi_worker() else outputs, stacked)
+                 for (outputs, _), stacked in results]
+        outputs = parts[0] if len(parts) == 1 else tree.map_structure(lambda *a: np.concatenate(a), *parts)
+        return outputs, results[-1][0][1]
