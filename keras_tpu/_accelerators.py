@@ -17,6 +17,13 @@ class AcceleratorSpec:
     al., "A Domain-Specific Supercomputer for Training Deep Neural Networks",
     CACM 2020 (v2). Per-core HBM figures are the chip figures divided by the
     cores per chip.
+
+    Example:
+        >>> spec = GENERATIONS["v3"]
+        >>> spec.cores_per_chip, spec.mxus_per_core, spec.hbm_bytes_per_core // GIB
+        (2, 2, 16)
+        >>> round(spec.peak_flops_per_core / 1e12, 1)   # bf16 TFLOP/s of one core
+        61.6
     """
 
     generation: str
@@ -55,6 +62,7 @@ SLICE_SIZES = {
     "v5litepod": (1, 4, 8, 16, 32, 64, 128, 256),
 }
 
+#: Every accelerator type a :class:`keras_tpu.TPUClusterResolver` accepts (``"v2-8"``, ``"v3-32"``, ...).
 ACCELERATOR_TYPES = tuple(f"{gen}-{n}" for gen, sizes in SLICE_SIZES.items() for n in sizes)
 
 DEFAULT_ACCELERATOR_TYPE = "v2-8"

@@ -22,8 +22,11 @@ class ClusterSpec:
     """The jobs and task addresses of a cluster, shaped like ``tf.train.ClusterSpec``.
 
     Example:
-        >>> ClusterSpec({"worker": ["10.0.0.2:8470"]}).as_dict()
-        {'worker': ['10.0.0.2:8470']}
+        >>> spec = ClusterSpec({"worker": ["10.0.0.2:8470", "10.0.0.3:8470"]})
+        >>> spec.as_dict()
+        {'worker': ['10.0.0.2:8470', '10.0.0.3:8470']}
+        >>> spec.num_tasks("worker"), spec.task_address("worker", 1)
+        (2, '10.0.0.3:8470')
     """
 
     def __init__(self, cluster):
@@ -31,15 +34,19 @@ class ClusterSpec:
 
     @property
     def jobs(self):
+        """The job names, in order."""
         return list(self._cluster)
 
     def as_dict(self):
+        """``{job name: [task address, ...]}``, a copy."""
         return {job: list(tasks) for job, tasks in self._cluster.items()}
 
     def num_tasks(self, job_name):
+        """How many tasks ``job_name`` has."""
         return len(self._cluster[job_name])
 
     def task_address(self, job_name, task_index):
+        """The address (``host:port``) of task ``task_index`` of ``job_name``."""
         return self._cluster[job_name][task_index]
 
     def __eq__(self, other):
@@ -178,10 +185,12 @@ class TPUClusterResolver:
 
     @property
     def num_workers(self):
+        """How many worker processes the TPU has (1 but for a pod)."""
         return max(1, len(self.workers))
 
     @property
     def is_local(self):
+        """Whether the TPU is this process's own (no other worker)."""
         return not self.workers
 
     def master(self, task_type=None, task_id=None, rpc_layer=None):
@@ -202,6 +211,7 @@ class TPUClusterResolver:
         return self.master()
 
     def get_job_name(self):
+        """The job the TPU's tasks run in (``"worker"``, as Cloud TPU names it)."""
         return self.job_name
 
     def get_coordination_service_leader(self):
@@ -254,6 +264,7 @@ class TPUClusterResolver:
 
     @property
     def cores_per_worker(self):
+        """How many cores each worker holds."""
         return self.total_cores // self.num_workers if self.workers else host.cores_per_worker()
 
     def __repr__(self):
@@ -263,7 +274,15 @@ class TPUClusterResolver:
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-    """What :func:`initialize_tpu_system` found: the simulated TPU's shape and speeds."""
+    """What :func:`initialize_tpu_system` found: the simulated TPU's shape and speeds.
+
+    Example:
+        >>> topology = initialize_tpu_system(TPUClusterResolver())
+        >>> topology.accelerator_type, topology.num_cores, topology.num_chips, topology.mxu_shape
+        ('v2-8', 8, 4, (128, 128))
+        >>> round(topology.peak_flops_per_core / 1e12, 1), topology.hbm_bytes_per_core // 2**30   # TFLOP/s, GiB
+        (22.9, 8)
+    """
 
     accelerator_type: str
     spec: AcceleratorSpec
@@ -273,34 +292,42 @@ class Topology:
 
     @property
     def num_cores(self):
+        """All cores: workers x cores per worker."""
         return self.num_workers * self.cores_per_worker
 
     @property
     def num_chips(self):
+        """How many chips hold the cores."""
         return math.ceil(self.num_cores / self.spec.cores_per_chip)
 
     @property
     def mxus_per_core(self):
+        """MXUs in each core (1 on v2, 2 on v3)."""
         return self.spec.mxus_per_core
 
     @property
     def mxu_shape(self):
+        """An MXU's (rows, columns): (128, 128)."""
         return (self.spec.mxu_rows, self.spec.mxu_cols)
 
     @property
     def clock_hz(self):
+        """The cores' clock."""
         return self.spec.clock_hz
 
     @property
     def hbm_bytes_per_core(self):
+        """Each core's HBM."""
         return self.spec.hbm_bytes_per_core
 
     @property
     def hbm_bytes_per_second_per_core(self):
+        """Each core's HBM bandwidth."""
         return self.spec.hbm_bytes_per_second_per_core
 
     @property
     def peak_flops_per_core(self):
+        """A core's bf16 peak: two flops per multiply-accumulate, every MXU cell every cycle."""
         return self.spec.peak_flops_per_core
 
     @property

@@ -152,10 +152,12 @@ class CoreLayout:
 
     @property
     def num_devices(self):
+        """How many JAX devices hold the cores (one per process; a pod's workers one each)."""
         return self.num_cores // self.cores_per_device  # (cheaper than asking the mesh, on every step)
 
     @property
     def is_abstract(self):
+        """Whether the layout has no devices (shapes only: the HBM estimate and the TPU profile)."""
         return self.devices is None
 
     @property
@@ -173,6 +175,7 @@ class CoreLayout:
         return 2
 
     def describe(self):
+        """Where the cores live, in words: ``"1 JAX CPU device(s), 8 cores each"``."""
         kind = "abstract" if self.is_abstract else self.devices[0].platform.upper()
         if self.cores_per_device == 1:
             return f"{self.num_devices} JAX {kind} devices, one core each"
@@ -378,6 +381,7 @@ class CoreLayout:
         return NamedSharding(self.mesh, ROWS)
 
     def replicated_sharding(self):
+        """The sharding of a value every core holds whole (weights, optimizer state)."""
         return NamedSharding(self.mesh, REPLICATED)
 
     def per_core(self, core_fn, sharded_args, sharded_outputs):

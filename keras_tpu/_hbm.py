@@ -117,6 +117,12 @@ class ResourceExhaustedError(RuntimeError):
     Raised before the program runs, as a TPU raises it at compile time; the
     message says what is needed, what there is, the largest buffers and what
     to do. ``footprint`` is the :class:`HBMFootprint`.
+
+    Example:
+        >>> try:                                                            # doctest: +SKIP
+        ...     tpu_model.fit(x, y, batch_size=8 * 4096)
+        ... except keras_tpu.ResourceExhaustedError as error:
+        ...     print(error.footprint.describe())   # what the step needs, against 8.0 GiB per core
     """
 
     def __init__(self, message, footprint=None):

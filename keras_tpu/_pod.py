@@ -44,7 +44,16 @@ def startup_timeout_s():
 
 
 class WorkerLostError(RuntimeError):
-    """Raised when a TPU worker (process) of a pod stopped."""
+    """Raised when a TPU worker (process) of a pod stopped.
+
+    Every worker's step fails with it; restart all workers, and training resumes from the last checkpoint.
+
+    Example:
+        >>> try:                                                            # doctest: +SKIP
+        ...     tpu_model.fit(x, y, epochs=10, callbacks=[keras.callbacks.BackupAndRestore("backup")])
+        ... except keras_tpu.WorkerLostError as error:
+        ...     print("restart the pod's workers:", error)
+    """
 
 
 def workers_from_environment():

@@ -65,22 +65,27 @@ class TPUDistributionStrategy:
 
     @property
     def resolver(self):
+        """The :class:`TPUClusterResolver` of the TPU this strategy runs on."""
         return self.placement.resolver
 
     @property
     def topology(self):
+        """The :class:`Topology` :func:`initialize_tpu_system` found."""
         return self.placement.topology
 
     @property
     def layout(self):
+        """The :class:`CoreLayout`: where the cores live on this host."""
         return self.placement.layout
 
     @property
     def precision(self):
+        """The MXU's precision for float32 products (``"default"``: one bf16 pass)."""
         return self.placement.precision
 
     @property
     def num_cores(self):
+        """How many cores the model's steps run on."""
         return self.placement.num_cores
 
     def __repr__(self):
@@ -89,7 +94,19 @@ class TPUDistributionStrategy:
 
 
 class KerasTPUModel(keras.Model):
-    """A Keras model running on the simulated TPU; create it with :func:`keras_to_tpu_model`."""
+    """A Keras model running on the simulated TPU; create it with :func:`keras_to_tpu_model`.
+
+    It shares the CPU model's variables: ``fit``, ``evaluate`` and ``predict`` run on the TPU's cores,
+    ``save_weights`` writes files a plain CPU model loads.
+
+    Example:
+        >>> import keras
+        >>> cpu_model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> cpu_model.compile("sgd", "mse")
+        >>> tpu_model = keras_to_tpu_model(cpu_model)
+        >>> isinstance(tpu_model, KerasTPUModel), tpu_model.predict(np.ones((8, 4)), verbose=0).shape
+        (True, (8, 2))
+    """
 
     def __init__(self, cpu_model, strategy):
         super().__init__(name=cpu_model.name)
@@ -130,16 +147,20 @@ class KerasTPUModel(keras.Model):
 
     @property
     def strategy(self):
+        """The :class:`TPUDistributionStrategy` the model runs on."""
         return self._strategy
 
     def call(self, inputs, training=None):
+        """The CPU model's own forward pass (its layers and weights)."""
         return self._cpu_model(inputs, training=training)
 
     @property
     def layers(self):
+        """The CPU model's layers."""
         return self._cpu_model.layers
 
     def get_layer(self, name=None, index=None):
+        """The CPU model's layer of ``name`` or ``index``."""
         return self._cpu_model.get_layer(name=name, index=index)
 
     def __getattr__(self, name):
@@ -150,6 +171,7 @@ class KerasTPUModel(keras.Model):
         return getattr(cpu_model, name)
 
     def summary(self, *args, **kwargs):
+        """The CPU model's summary."""
         self._cpu_model.summary(*args, **kwargs)
         (kwargs.get("print_fn") or print)(f"Runs on: {self._strategy.placement.describe()}")
 
@@ -355,6 +377,7 @@ class KerasTPUModel(keras.Model):
         return self._cpu_model.to_json(**kwargs)
 
     def to_yaml(self, **kwargs):
+        """Refused, as in TensorFlow 2: use ``to_json()``."""
         raise RuntimeError("to_yaml() was removed from Keras (TensorFlow 2.x refuses it too: YAML loading can run "
                            "arbitrary code). Use to_json() instead.")
 
@@ -429,10 +452,12 @@ class KerasTPUModel(keras.Model):
         return self._cpu_model
 
     def get_weights(self):
+        """The trained weights (synced to the CPU model first), as its ``get_weights()`` gives them."""
         self.sync_to_cpu()
         return self._cpu_model.get_weights()
 
     def set_weights(self, weights_list):
+        """Set the weights, as the CPU model's ``set_weights()`` does."""
         self._cpu_model.set_weights(weights_list)  # copied to the cores by the next TPU step
 
     def save_weights(self, filepath, overwrite=True, save_format=None):
