@@ -99,7 +99,16 @@ class EvalSpec:
 
 
 class Exporter:
-    """Exports a checkpoint after an evaluation (``tf.estimator.Exporter``): subclasses define ``export``."""
+    """Exports a checkpoint after an evaluation (``tf.estimator.Exporter``): subclasses define ``export``.
+
+    Example:
+        >>> class PrintExporter(Exporter):
+        ...     name = "print"
+        ...     def export(self, estimator, export_path, checkpoint_path, eval_result, is_the_final_export):
+        ...         print(checkpoint_path, eval_result["loss"])
+        >>> EvalSpec(input_fn=lambda params: None, exporters=PrintExporter()).exporters[0].name
+        'print'
+    """
 
     @property
     def name(self):

@@ -121,7 +121,12 @@ __all__ = [
 
 
 class ModeKeys:
-    """The three modes ``model_fn`` is called in (TensorFlow's ``tf.estimator.ModeKeys``)."""
+    """The three modes ``model_fn`` is called in (TensorFlow's ``tf.estimator.ModeKeys``).
+
+    Example:
+        >>> ModeKeys.TRAIN, ModeKeys.EVAL, ModeKeys.PREDICT
+        ('train', 'eval', 'infer')
+    """
 
     TRAIN = "train"
     EVAL = "eval"
@@ -144,6 +149,12 @@ class TPUEstimatorSpec:
             no TensorFlow graph to scaffold and no host summary loop).
         training_hooks, evaluation_hooks, prediction_hooks: hooks added to
             those given to ``train``, ``evaluate`` and ``predict``.
+
+    Example:
+        >>> loss = keras.ops.mean(keras.Input((4,)))   # in model_fn: a scalar of the symbolic graph
+        >>> spec = TPUEstimatorSpec(ModeKeys.TRAIN, loss=loss, train_op=CrossShardOptimizer(keras.optimizers.SGD(0.01)))
+        >>> spec.mode, spec.train_op.reduction
+        ('train', 'mean')
     """
 
     # TensorFlow's fields, in its order
@@ -294,7 +305,12 @@ class CrossShardOptimizer:
 
 class InputPipelineConfig:
     """TensorFlow's values for ``TPUConfig.per_host_input_for_training`` (accepted; the estimator
-    always feeds as ``PER_HOST_V2``: ``input_fn`` runs once per host and gives per-core batches)."""
+    always feeds as ``PER_HOST_V2``: ``input_fn`` runs once per host and gives per-core batches).
+
+    Example:
+        >>> TPUConfig(per_host_input_for_training=InputPipelineConfig.PER_HOST_V2).per_host_input_for_training
+        3
+    """
 
     PER_SHARD_V1 = 1
     PER_HOST_V1 = 2
@@ -322,6 +338,10 @@ class TPUConfig:
             thread, no host call).
         input_partition_dims: must be ``None`` (spatial partitioning is model
             parallelism).
+
+    Example:
+        >>> TPUConfig(iterations_per_loop=100, num_shards=8).iterations_per_loop
+        100
     """
 
     iterations_per_loop: int = 2
@@ -381,6 +401,11 @@ class RunConfig:
         train_distribute, eval_distribute, experimental_distribute, device_fn:
             must be ``None``: the estimator places the computation on the
             cores itself.
+
+    Example:
+        >>> config = RunConfig(model_dir="/tmp/mnist", tpu_config=TPUConfig(iterations_per_loop=50))
+        >>> config.tpu_config.iterations_per_loop, config.replace(model_dir="/tmp/mnist_2").model_dir
+        (50, '/tmp/mnist_2')
     """
 
     tpu_config: TPUConfig = None
@@ -470,7 +495,12 @@ class RunConfig:
 class ExportSavedModelApiVersion(enum.Enum):
     """TensorFlow's export API versions. Both export the same artifact here: V1 (TensorFlow
     rewrites ``model_fn`` for the TPU) and V2 (``model_fn`` does it, when ``params["use_tpu"]``)
-    differ only in who places the computation, and keras-tpu places it either way."""
+    differ only in who places the computation, and keras-tpu places it either way.
+
+    Example:
+        >>> ExportSavedModelApiVersion.V2
+        <ExportSavedModelApiVersion.V2: 2>
+    """
 
     V1 = 1
     V2 = 2
@@ -491,6 +521,10 @@ class WarmStartSettings:
         var_name_to_prev_var_name: ``{name: name in the checkpoint}`` for
             variables renamed since.
         var_name_to_vocab_info: not supported (vocabulary remapping).
+
+    Example:
+        >>> WarmStartSettings("/tmp/pretrained", vars_to_warm_start="dense.*").vars_to_warm_start
+        'dense.*'
     """
 
     ckpt_to_initialize_from: str
@@ -505,7 +539,15 @@ class WarmStartSettings:
 
 
 class SessionRunHook:
-    """Base class of hooks (TensorFlow's ``tf.estimator.SessionRunHook``); every method is optional."""
+    """Base class of hooks (TensorFlow's ``tf.estimator.SessionRunHook``); every method is optional.
+
+    Example:
+        >>> class StopAtStep(SessionRunHook):
+        ...     def after_run(self, run_context, run_values):
+        ...         if run_values.results["global_step"] >= 1000:
+        ...             run_context.request_stop()
+        >>> estimator.train(train_input_fn, hooks=[StopAtStep()])  # doctest: +SKIP
+    """
 
     def begin(self):
         pass
@@ -524,7 +566,15 @@ class SessionRunHook:
 
 
 class CheckpointSaverListener:
-    """Base class of ``train``'s ``saving_listeners`` (TensorFlow's ``CheckpointSaverListener``)."""
+    """Base class of ``train``'s ``saving_listeners`` (TensorFlow's ``CheckpointSaverListener``).
+
+    Example:
+        >>> class LogSaves(CheckpointSaverListener):
+        ...     def after_save(self, session, global_step_value):
+        ...         print("saved step", global_step_value)
+        >>> LogSaves().after_save(None, 1000)   # as train(..., saving_listeners=[LogSaves()]) calls it
+        saved step 1000
+    """
 
     def begin(self):
         pass
@@ -540,7 +590,14 @@ class CheckpointSaverListener:
 
 
 class SessionRunContext:
-    """What a hook's ``before_run``/``after_run`` get: ``request_stop()`` ends the loop."""
+    """What a hook's ``before_run``/``after_run`` get: ``request_stop()`` ends the loop.
+
+    Example:
+        >>> run_context = SessionRunContext()
+        >>> run_context.request_stop()
+        >>> run_context.stop_requested
+        True
+    """
 
     def __init__(self, original_args=None, session=None):
         self.original_args = original_args
@@ -556,6 +613,14 @@ class SessionRunContext:
 
 
 SessionRunValues = collections.namedtuple("SessionRunValues", ["results", "options", "run_metadata"])
+SessionRunValues.__doc__ = """What a hook's ``after_run`` gets (TensorFlow's ``SessionRunValues``): ``results`` holds
+the device loop's ``{"loss": ..., "global_step": ...}`` (training) or ``{"global_step": ...}``.
+
+Example:
+    >>> run_values = SessionRunValues(results={"loss": 0.25, "global_step": 100}, options=None, run_metadata=None)
+    >>> run_values.results["global_step"]
+    100
+"""
 
 
 class _Hooks:
@@ -809,6 +874,11 @@ def variable_names(model):
     a name the user gave (``block_3``) is kept, as TensorFlow keeps it.
     Optimizer variables are ``<optimizer>/<variable path>/<slot>`` (or
     ``<optimizer>/iteration``).
+
+    Example:
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="hidden"), keras.layers.Dense(1)])
+        >>> variable_names(model)
+        ['sequential/hidden/kernel', 'sequential/hidden/bias', 'sequential/dense/kernel', 'sequential/dense/bias']
     """
     given = {layer.name for layer in _keras_private.all_layers(model) if not _keras_private.auto_named(layer)}
     renamed, counts, used = {name: name for name in given}, collections.Counter(), set(given)
@@ -955,6 +1025,16 @@ class TPUEstimator:
             ``TPUDistributionStrategy``'s: ``"default"`` (one bfloat16 pass,
             a TPU's default), ``"high"`` or ``"highest"`` (float32 to within
             rounding: a run to compare with ``use_tpu=False``).
+
+    Example:
+        >>> def model_fn(features, labels, mode, params):
+        ...     logits = keras.layers.Dense(10)(keras.layers.Flatten()(features))
+        ...     loss = keras.ops.mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+        ...     return TPUEstimatorSpec(mode, loss=loss, train_op=CrossShardOptimizer(keras.optimizers.SGD(0.01)))
+        >>> estimator = TPUEstimator(model_fn, config=RunConfig(model_dir="/tmp/mnist", tpu_config=TPUConfig(
+        ...     iterations_per_loop=10)), train_batch_size=64)                                    # doctest: +SKIP
+        >>> estimator.train(lambda params: (np.zeros((640, 28, 28), "float32"), np.zeros(640, "int32")),
+        ...                 max_steps=100)                                                        # doctest: +SKIP
     """
 
     def __init__(self, model_fn=None, model_dir=None, config=None, params=None, use_tpu=True, train_batch_size=None,

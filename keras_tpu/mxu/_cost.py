@@ -45,7 +45,13 @@ DATAFLOWS = ("ws", "os", "is")
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-    """Predicted time of one MXU op on one core of an accelerator."""
+    """Predicted time of one MXU op on one core of an accelerator.
+
+    Example:
+        >>> timing = gemm_cost(1024, 288, 64).timing("v3-8")   # a v3 core's two MXUs share the 3 folds
+        >>> timing.compute_cycles, timing.bound
+        (2811, 'compute')
+    """
 
     compute_cycles: int
     compute_s: float
@@ -66,6 +72,11 @@ class GemmCost:
 
     ``dataflow`` is SCALE-Sim's: ``"ws"`` (weight stationary, the TPU's and the
     default), ``"os"`` (output stationary) or ``"is"`` (input stationary).
+
+    Example:
+        >>> cost = GemmCost(m=1024, k=288, n=64)   # as gemm_cost(1024, 288, 64)
+        >>> cost.folds, cost.cycles, cost.padded_shape
+        (3, 4217, (1024, 384, 128))
     """
 
     m: int
@@ -248,7 +259,13 @@ def gemm_cost(m, k, n, rows=128, cols=128, count=1, dataflow="ws"):
 
 @dataclasses.dataclass(frozen=True)
 class ConvCost(GemmCost):
-    """A :class:`GemmCost` for a convolution, with its geometry."""
+    """A :class:`GemmCost` for a convolution, with its geometry.
+
+    Example:
+        >>> c = conv_cost((8, 32, 32, 3), (3, 3, 3, 16), padding="same")
+        >>> c.output_shape, (c.m, c.k, c.n), c.scalesim_layer
+        ((8, 32, 32, 16), (8192, 27, 16), [34, 34, 3, 3, 3, 16, 1, 1])
+    """
 
     input_shape: tuple = ()         # (batch, *spatial, channels), unpadded
     kernel_shape: tuple = ()        # (*spatial, in_channels / groups, out_channels)

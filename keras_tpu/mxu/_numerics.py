@@ -30,7 +30,12 @@ from jax import lax
 
 
 class Precision(enum.Enum):
-    """How many bfloat16 passes an MXU op makes."""
+    """How many bfloat16 passes an MXU op makes.
+
+    Example:
+        >>> Precision.HIGH.passes, canonical_precision("float32")
+        (3, <Precision.HIGHEST: 6>)
+    """
 
     DEFAULT = 1
     HIGH = 3

@@ -191,6 +191,12 @@ def mxu_rule(precision="default"):
     An op that asks for more than the default precision (``HIGH`` or
     ``HIGHEST``) gets it; all others run at ``precision``. Integer and
     float64 products stay off the MXU.
+
+    Example:
+        >>> eqn = jax.make_jaxpr(lambda a, b: a @ b)(jnp.ones((2, 3)), jnp.ones((3, 4))).eqns[0]
+        >>> rewritten = mxu_rule("high")(eqn)
+        >>> rewritten.primitive.name, rewritten.params["mxu_precision"]
+        ('mxu_dot_general', <Precision.HIGH: 3>)
     """
     default = canonical_precision(precision)
 

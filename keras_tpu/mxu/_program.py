@@ -36,7 +36,13 @@ from keras_tpu.mxu._routing import route
 
 @dataclasses.dataclass(frozen=True)
 class MXUOp:
-    """One MXU operation of a program, as it runs on one core."""
+    """One MXU operation of a program, as it runs on one core.
+
+    Example:
+        >>> op, = trace_mxu_ops(lambda a, b: a @ b, jnp.ones((8, 4)), jnp.ones((4, 2)))
+        >>> op.kind, op.pass_name, op.precision, (op.cost.m, op.cost.k, op.cost.n)
+        ('dot', 'forward', <Precision.DEFAULT: 1>, (8, 4, 2))
+    """
 
     kind: str                 # "dot" or "conv"
     name_stack: str           # JAX's name stack, e.g. "transpose(jvp(functional))/conv2d"
@@ -72,7 +78,13 @@ _TRANSFORM = re.compile(r"^(\w+)\((.*)\)$")
 
 
 def split_name_stack(name_stack):
-    """``"transpose(jvp(model))/dense"`` -> ``(("model", "dense"), {"transpose", "jvp"})``."""
+    """``"transpose(jvp(model))/dense"`` -> ``(("model", "dense"), {"transpose", "jvp"})``.
+
+    Example:
+        >>> scopes, transforms = split_name_stack("transpose(jvp(model))/dense")
+        >>> scopes, sorted(transforms)
+        (('model', 'dense'), ['jvp', 'transpose'])
+    """
     scopes, transforms = [], set()
     for part in str(name_stack).split("/"):
         match = _TRANSFORM.match(part)

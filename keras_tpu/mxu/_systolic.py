@@ -40,7 +40,13 @@ def _split(x, parts):
 
 @dataclasses.dataclass
 class SimulationResult:
-    """What :meth:`SystolicArray.matmul` produced."""
+    """What :meth:`SystolicArray.matmul` produced.
+
+    Example:
+        >>> result = SystolicArray(4, 4).matmul(np.ones((5, 6)), np.ones((6, 3)))
+        >>> result.product.shape, result.folds, result.cycles, result.busy_macs
+        ((5, 3), 2, 29, 90)
+    """
 
     product: np.ndarray     # float32 [M, N]
     cycles: int             # index of the last busy cycle (SCALE-Sim's "total cycles")
