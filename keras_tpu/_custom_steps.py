@@ -46,12 +46,14 @@ them so:
   (100 rows: 5 cores of 20), with its own program, compiled once per shape
   (on the whole batch, each batch shape compiles once).
 
-Steps run one per device call; ``steps_per_execution`` batches are fed per
-call of the function Keras asks for, as Keras' own JAX trainer does.
+Steps run one per device call (:class:`UnpaddedProgram`, a
+:class:`keras_tpu._programs.Program`: compiled, checked against a core's HBM
+and fed bfloat16 weight copies as Keras' own steps are); ``steps_per_execution``
+batches are fed per call of the function Keras asks for, as Keras' own JAX
+trainer does.
 """
 
 import contextlib
-import time
 
 import jax
 import jax.numpy as jnp
@@ -60,12 +62,11 @@ import numpy as np
 from jax import lax
 from keras import tree
 
-from keras_tpu import _host as host, _keras_private, _pod as pod, _rewrite as rewrite, _rounded_weights
-from keras_tpu._logging import logger
+from keras_tpu import _hbm as hbm, _keras_private, _pod as pod
 from keras_tpu._batching import describe_input_shapes
-from keras_tpu._cores import CORE_AXIS, REPLICATED, ProgramsInFlight, same_arrays
-from keras_tpu.mxu import _kernels as kernels
-from keras_tpu.mxu._numerics import Precision
+from keras_tpu._cores import CORE_AXIS, REPLICATED, same_arrays
+from keras_tpu._logging import logger
+from keras_tpu._programs import Program
 
 STEP_METHODS = ("train_step", "test_step", "predict_step")
 
@@ -345,7 +346,7 @@ class CustomSteps:
         self._whole_batch = {}  # mode -> whether its step runs on the whole batch
 
     def function(self, mode, steps_per_execution):
-        program = _CustomProgram(mode, self, int(steps_per_execution))
+        program = UnpaddedProgram(mode, self, steps_per_execution)
         return program.run_for_outputs if mode == "predict" else program.run_for_logs
 
     # -- what the device runs for one step on `cores` cores -------------------------------
@@ -442,86 +443,56 @@ class CustomSteps:
         return step
 
 
-class _CustomProgram:
-    """The programs of one mode of a model's own step: one per number of cores and batch shape."""
+class UnpaddedProgram(Program):
+    """The programs of one mode of a model's own step (or of Keras' where padding rows would count): one step per
+    call, on a batch's real rows only, in the form of the number of cores they split over (one program per number
+    of cores and batch shape)."""
+
+    ARGUMENT_SPECS = (REPLICATED, REPLICATED)  # (state, data): all on the cores' one device
 
     def __init__(self, mode, custom, steps_per_execution):
+        steps_per_execution = int(steps_per_execution)
         if steps_per_execution < 1:
             raise ValueError(f"steps_per_execution must be a positive integer; got {steps_per_execution}.")
-        self.mode = mode
+        super().__init__(mode, custom.builder)
         self.custom = custom
-        self.layout = custom.layout
         self.steps = steps_per_execution
-        self._rule = custom.builder.rule
-        self._jitted = {}
-        self._executables = {}
-        self._last_state = []  # the leaves of the state the last step returned
-        # Products at the default precision read bfloat16 copies of the weights (see keras_tpu._rounded_weights):
-        # made once per set of weights for test and predict steps; a training step with few rows per product
-        # returns the copies of the weights it wrote for the next step.
-        builder = custom.builder
-        self._rounds_weights = builder.on_mxu and builder.precision is Precision.DEFAULT
-        self._readings = {}  # cores -> the device step reading copies (a ReadingRoundedWeights)
-        self._copies = _rounded_weights.WeightCopies()
-        self._last_call = None  # (cores, the batch's shapes, whether the program reads copies) of the last step
-        self._in_flight = ProgramsInFlight(self.layout.max_programs_in_flight)
 
-    def _reading(self, cores):
-        if cores not in self._readings:
-            self._readings[cores] = _rounded_weights.reading_rounded_weights(
-                self.custom.device_step(self.mode, cores), self.custom.builder.precision)
-        return self._readings[cores]
+    def _device_step(self, cores):
+        return self.custom.device_step(self.mode, cores)
 
-    def _program(self, cores, copies):
-        jitted = self._jitted.get((cores, copies))
-        if jitted is None:
-            train = self.mode == "train"
-            if self._rounds_weights:
-                step_fn = self._reading(cores).step(copies, returns_copies=train)
-            else:
-                device_step = self.custom.device_step(self.mode, cores)
+    def _footprint(self, args, cores):
+        """One TPU core's step: the model's step on the rows of the core with the most (the whole batch's rows
+        would split over all the TPU's cores), with the whole state (each TPU core holds its own copy) and its
+        products in float32 (a TPU keeps no bfloat16 copies)."""
+        builder, model = self.builder, self.custom.model
+        if builder.accelerator_type is None:
+            return None
+        state, _, data = args
+        core_rows = -(-_rows(data) // (self.layout.num_cores if self.custom.runs_on_the_whole_batch(self.mode)
+                                       else cores))
+        abstract = lambda tree_, rows=None: jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((rows,) + a.shape[1:] if rows else a.shape, jnp.result_type(a)), tree_)
+        return hbm.step_footprint(self.custom.device_step(self.mode, 1), (abstract(state), abstract(data, core_rows)),
+                                  accelerator_type=builder.accelerator_type,
+                                  argument_names=hbm.state_names(model, self.mode),
+                                  argument_kinds=hbm.state_kinds(model, self.mode),
+                                  label=f"{self.mode} step of {model.name!r}")
 
-                def step_fn(state, _no_copies, data):
-                    return device_step(state, data)
-            jitted = jax.jit(rewrite.transform(step_fn, self._rule), donate_argnums=(0, 1) if copies and train else 0)
-            self._jitted[(cores, copies)] = jitted
-        return jitted
-
-    def _weight_copies(self, cores, state, data):
-        """``(reads copies, the copies)`` for a step of ``cores`` cores on ``state`` and ``data``."""
-        if not self._rounds_weights:
-            return False, []
-        copies, read = self._reading(cores).copies_to_make(
-            *self.layout.device_shapes((state, data), (REPLICATED, REPLICATED)), training=self.mode == "train")
-        return copies, self._copies.for_weights(jax.tree.leaves(state[0]), read)
-
-    def _executable(self, cores, copies, state, rounded, data):
-        jitted = self._program(cores, copies)
-        leaves, structure = jax.tree.flatten((state, rounded, data))
-        key = cores, copies, structure, tuple((a.shape, a.dtype) for a in leaves)
-        executable = self._executables.get(key)
-        if executable is None:
-            started = time.perf_counter()
-            # Compiled for a batch on the cores' device(s); later batches go to it as host arrays.
-            traced = jitted.trace(state, rounded, jax.device_put(data, self.layout.replicated_sharding()))
-            # The XLA:CPU options of the replicated programs (keras_tpu.mxu._kernels.compiler_options): with
-            # XLA's defaults YNNPACK ran a DCGAN's per-core weight-gradient convolutions ~10x slower.
-            executable = traced.lower().compile(kernels.compiler_options(self.mode, traced.jaxpr))
-            host.release_freed_memory()  # the compiler's scratch (see keras_tpu._host)
-            self._executables[key] = executable
-            rows = _rows(data)
-            x = keras.utils.unpack_x_y_sample_weight(data)[0] if isinstance(data, tuple) else data
-            whose = "the model's own" if f"{self.mode}_step" in custom_step_methods(self.custom.model) else "Keras'"
-            if self.custom.runs_on_the_whole_batch(self.mode):
-                where = f"on the {self.layout.num_cores} cores' rows as one batch"
-            else:
-                where = f"on {cores} core(s)" + ("" if cores == self.layout.num_cores else
-                                                 f": {rows} rows do not split evenly over {self.layout.num_cores}")
-            logger.info("Compiled the TPU %s program (global batch %d, %d step(s) per call) in %.1f s "
-                        "(%s %s_step %s); inputs %s.", self.mode, rows, 1, time.perf_counter() - started, whose,
-                        self.mode, where, describe_input_shapes(x))
-            self.custom.builder.note_compiled_shape(self.mode, describe_input_shapes(x, rows=0))
-        return executable
+    def _log_compiled(self, args, cores, seconds, footprint):
+        data = args[2]
+        rows = _rows(data)
+        x = keras.utils.unpack_x_y_sample_weight(data)[0] if isinstance(data, tuple) else data
+        whose = "the model's own" if f"{self.mode}_step" in custom_step_methods(self.custom.model) else "Keras'"
+        if self.custom.runs_on_the_whole_batch(self.mode):
+            where = f"on the {self.layout.num_cores} cores' rows as one batch"
+        else:
+            where = f"on {cores} core(s)" + ("" if cores == self.layout.num_cores else
+                                             f": {rows} rows do not split evenly over {self.layout.num_cores}")
+        logger.info("Compiled the TPU %s program (global batch %d, 1 step(s) per call) in %.1f s (%s %s_step %s); "
+                    "inputs %s%s.", self.mode, rows, seconds, whose, self.mode, where, describe_input_shapes(x),
+                    "" if footprint is None else f"; {footprint.describe()}")
+        self.builder.note_compiled_shape(self.mode, describe_input_shapes(x, rows=0))
 
     def _state_on_cores(self, state, returned):
         """``state`` on the cores' device(s): as it is when it is what the last step ``returned``."""
@@ -537,28 +508,17 @@ class _CustomProgram:
         rows = _rows(data)
         if rows == 0:
             raise ValueError(f"A batch for {type(self.custom.model).__name__}.{self.mode}_step has no rows.")
-        whole = self.custom.runs_on_the_whole_batch(self.mode)
-        cores = 1 if whole else cores_for_rows(rows, self.layout.num_cores)
+        cores = 1 if self.custom.runs_on_the_whole_batch(self.mode) else cores_for_rows(rows, self.layout.num_cores)
         # Per-step overhead is most of a small model's step (~1 ms here): the state stays where the last step
         # left it, and the batch goes to the compiled program as host arrays, which its C++ call places by its
         # own input shardings (a device_put first cost 0.4 ms per step; jnp.asarray 2 ms per array).
         returned = same_arrays(jax.tree.leaves(state), self._last_state)
-        state = self._state_on_cores(state, returned)
-        batch = tuple((a.shape, a.dtype) for a in jax.tree.leaves(data))
-        if returned and self._last_call is not None and self._last_call[:2] == (cores, batch):
-            copies, rounded = self._last_call[2], self._copies.copies  # the state the last step returned
-        else:
-            copies, rounded = self._weight_copies(cores, state, data)
-        self._last_call = cores, batch, copies
-        result = self._executable(cores, copies, state, rounded, data)(state, rounded, data)
-        output, state = result[:2]
-        self._in_flight.add(output)  # the state is donated to the next step
-        if self._rounds_weights:
-            self._copies.returned(jax.tree.leaves(state[0]), result[2] if len(result) == 3 else None)
-        self._last_state = jax.tree.leaves(state)
-        return output, state
+        batch_key = cores, tuple((a.shape, a.dtype) for a in jax.tree.leaves(data))
+        args, executable, _ = self._prepared((self._state_on_cores(state, returned), data), cores, batch_key,
+                                             returned)
+        return self._run(executable, args)
 
-    def _run(self, state, iterator):
+    def _run_steps(self, state, iterator):
         outputs = []
         for _ in range(self.steps):
             try:
@@ -574,11 +534,11 @@ class _CustomProgram:
         return outputs, state
 
     def run_for_logs(self, state, iterator):
-        outputs, state = self._run(state, iterator)
+        outputs, state = self._run_steps(state, iterator)
         return outputs[-1], state
 
     def run_for_outputs(self, state, iterator):
-        outputs, state = self._run(state, iterator)
+        outputs, state = self._run_steps(state, iterator)
         return tree.map_structure(lambda *parts: jnp.concatenate(parts), *outputs), state
 
 

@@ -2,15 +2,23 @@
 
 :class:`keras_tpu._replicated_steps.ReplicatedSteps` builds what one device
 runs for a step (the train, test or predict device step); a :class:`Program`
-turns it into the programs Keras' loops call. It stacks the batches
-(:mod:`keras_tpu._batching`), traces the device step in the
-:class:`ProgramForm` a batch needs, routes its operations to the MXU
-(:mod:`keras_tpu._rewrite`), jits it over the core layout
-(:mod:`keras_tpu._cores`), compiles it once per shape and form while the
-per-core HBM estimate is traced, makes the bfloat16 weight copies its
-products read (:mod:`keras_tpu._rounded_weights`), and runs it, at most two
-calls in flight. An inference program that may lay its cores either way
-times both on its first batches (:class:`LayoutTrial`).
+turns it into the programs Keras' loops call, whichever step it runs. It
+traces the device step in the form a batch needs, routes its operations to
+the MXU (:mod:`keras_tpu._rewrite`), jits it over the core layout
+(:mod:`keras_tpu._cores`), compiles it once per shape and form while one
+core's step is checked against a core's HBM (:mod:`keras_tpu._hbm`), makes
+the bfloat16 weight copies its products read
+(:mod:`keras_tpu._rounded_weights`), and runs it, at most two calls in
+flight. Two kinds:
+
+* :class:`PaddedProgram`: Keras' own steps. ``steps_per_execution`` batches
+  are stacked into one call (:mod:`keras_tpu._batching`), a partial batch
+  padded to the global batch with a mask (its :class:`ProgramForm`); an
+  inference program that may lay its cores either way times both on its
+  first batches (:class:`LayoutTrial`).
+* :class:`keras_tpu._custom_steps.UnpaddedProgram`: a model's own steps, and
+  Keras' where padding rows would count. One step per call on a batch's real
+  rows, in the form of the number of cores they split over.
 """
 
 import concurrent.futures
@@ -136,23 +144,33 @@ class LayoutTrial:
 
 
 class Program:
-    """The compiled programs of one mode (one per number of stacked steps) and their feeding."""
+    """The compiled programs of one mode (``"train"``, ``"test"`` or ``"predict"``) of a model's steps.
 
-    #: How the device program's arguments (state, data, mask, real rows) lie over the devices; the bfloat16
-    #: weight copies follow the state, replicated.
-    _ARGUMENT_SPECS = (REPLICATED, ROWS, ROWS, REPLICATED)
+    What every TPU program shares, whichever step it runs: the device step is
+    traced in each form a batch needs (:meth:`_device_step`), its operations
+    routed to the MXU (:mod:`keras_tpu._rewrite`) and its default-precision
+    products set to read bfloat16 weight copies (:mod:`keras_tpu._rounded_weights`);
+    it is jitted and compiled once per shape and form, with XLA:CPU's options
+    for its kind, while one core's step is checked against a core's HBM
+    (:meth:`_footprint`); the copies are made once per set of weights, or
+    taken from the training step that returned them; at most two calls are in
+    flight. Two kinds: :class:`PaddedProgram` (Keras' own steps, stacked,
+    their partial batches padded and masked) and
+    :class:`keras_tpu._custom_steps.UnpaddedProgram` (a model's own steps, or
+    Keras' where padding rows would count: one step per call on real rows).
+    """
 
-    def __init__(self, mode, builder, steps_per_execution, device_fn, purpose=None):
-        """``builder``: the :class:`keras_tpu._replicated_steps.ReplicatedSteps` whose ``device_fn`` (its
-        device step of ``mode``) this runs; ``purpose``: what the log calls the program (``mode``)."""
-        steps_per_execution = int(steps_per_execution)
-        if steps_per_execution < 1:
-            raise ValueError(f"steps_per_execution must be a positive integer; got {steps_per_execution}.")
+    #: How the device program's arguments after the weight copies lie over the devices; the copies follow the
+    #: state, replicated.
+    ARGUMENT_SPECS = (REPLICATED, ROWS)
+
+    def __init__(self, mode, builder, purpose=None):
+        """``builder``: the :class:`keras_tpu._replicated_steps.ReplicatedSteps` of the model and core layout;
+        ``purpose``: what the log calls the program (``mode``)."""
         self.mode = mode
-        self.purpose = purpose or mode  # what the log calls it
+        self.purpose = purpose or mode
         self.builder = builder
         self.layout = builder.layout
-        self.stacker = BatchStacker(self.layout.num_cores, steps_per_execution)
         # Default-precision products read bfloat16 copies of the weights they multiply (see
         # keras_tpu._rounded_weights), passed after the state. Evaluation and prediction do not change the weights:
         # their copies are made once per state. A training step changes them: where its products have few rows
@@ -160,33 +178,37 @@ class Program:
         # rounded in the optimizer update's own pass, for the next step to read (forward products and input
         # gradients alike), instead of rounding every weight again in each of its products.
         self.rounds_weights = builder.on_mxu and builder.precision is Precision.DEFAULT
-        self._device_fn = device_fn
-        # Whether batches with padding rows run a program of their own (ProgramForm.padding_rows): until a
-        # traced step shows that none of its layers computes batch statistics.
-        self._padding_rows_matter = builder.padding_rows_may_matter(mode)
-        self._readings = {}  # ProgramForm -> the device step reading weight copies (see _reading)
-        self._jitted = {}  # (reads copies, ProgramForm) -> the jitted program (see _program)
-        self._executables = {}  # (the arguments' structure, shapes and dtypes; ProgramForm) -> executable
-        # How the cores lie in an inference program that may merge them (ReplicatedSteps.layout_choices): None
-        # (merged) until the LayoutTrial started after the first call has timed both, once per program.
-        self._cores_layout = None
-        self._trial = None
+        self._readings = {}  # form -> the device step reading weight copies (see _reading)
+        self._jitted = {}  # (reads copies, form) -> the jitted program (see _program)
+        self._executables = {}  # (the arguments' structure, shapes and dtypes; form) -> executable
         self._copies = _rounded_weights.WeightCopies()  # the bfloat16 weight copies the next call reads
         self._reads_copies = self.rounds_weights  # whether the program of the last call reads copies
         self._last_state = []  # the leaves of the state the last call returned
-        self._last_call = None  # ((the batch's structure, shapes and dtypes; ProgramForm), executable) of the last call
+        self._last_call = None  # (the batch's key, executable) of the last call (see _prepared)
         self._in_flight = ProgramsInFlight(self.layout.max_programs_in_flight)
-        builder.last_programs[mode] = self
+
+    # -- what a kind of program says ------------------------------------------------------
 
     def _device_step(self, form):
-        """The device step, traced in ``form`` (a :class:`ProgramForm`)."""
-        builder, device_fn = self.builder, self._device_fn
+        """What one device runs for a step of this mode in ``form``: ``(state, *arguments) -> (logs or outputs,
+        state, ...)``."""
+        raise NotImplementedError
 
-        def step_in_form(*args):
-            with builder.tracing_form(form):
-                return device_fn(*args)
+    def _over_devices(self, step_fn, returns_copies):
+        """``step_fn`` (one device's program, MXU-routed) as a function of the arrays of all the layout's devices
+        (``returns_copies``: it also returns weight copies, last). Itself, for a program on one device."""
+        return step_fn
 
-        return step_in_form
+    def _footprint(self, args, form):
+        """The per-core HBM one step of ``form`` needs for the program's ``args`` (an
+        :class:`keras_tpu._hbm.HBMFootprint`), or ``None`` when not checked."""
+        raise NotImplementedError
+
+    def _log_compiled(self, args, form, seconds, footprint):
+        """Say that the program for ``args`` in ``form`` compiled, in ``seconds``."""
+        raise NotImplementedError
+
+    # -- the programs ----------------------------------------------------------------------
 
     def _reading(self, form):
         """The device step in ``form`` as it reads bfloat16 weight copies (``None`` when it reads none)."""
@@ -198,11 +220,11 @@ class Program:
         return self._readings[form]
 
     def _program(self, copies, form):
-        """The jitted program of this mode in ``form`` (a :class:`ProgramForm`), its products reading bfloat16
-        weight copies (``copies``) or not.
+        """The jitted program of this mode in ``form``, its products reading bfloat16 weight copies (``copies``)
+        or not.
 
-        Either way it takes ``(state, copies, data, mask, real rows)``; a training program reading copies also
-        returns those of the weights it wrote. Both forms run the device step as traced once by
+        Either way it takes ``(state, copies, *arguments)``; a training program reading copies also returns
+        those of the weights it wrote, last. Both forms run the device step as traced once by
         :class:`keras_tpu._rounded_weights.ReadingRoundedWeights`.
         """
         key = copies, form
@@ -216,15 +238,138 @@ class Program:
                 return device_fn(state, *rest)
         else:
             step_fn = reading.step(copies, returns_copies=train)
+        returns_copies = bool(copies) and train
+        self._jitted[key] = jax.jit(self._over_devices(rewrite.transform(step_fn, self.builder.rule), returns_copies),
+                                    donate_argnums=(0, 1) if returns_copies else 0)
+        return self._jitted[key]
+
+    def _executable(self, args, form):
+        """``(executable, whether it was compiled now)`` of this mode's program in ``form`` for ``args``."""
+        leaves, structure = jax.tree.flatten(args)
+        signature = structure, tuple((a.shape, a.dtype) for a in leaves)
+        key = signature, form
+        executable = self._executables.get(key)
+        if executable is not None:
+            return executable, False
+        started = time.perf_counter()
+        # XLA compiles without holding the GIL, so the per-core HBM estimate (a Python trace of one
+        # core's step) runs meanwhile: ResNet-20's first step is ready 0.7 s sooner.
+        traced = self._program(self._reads_copies, form).trace(*args)
+        # XLA:CPU's options on this host, for this kind of program (see keras_tpu.mxu._kernels.compiler_options).
+        compiling = _COMPILER.submit(traced.lower().compile, kernels.compiler_options(self.mode, traced.jaxpr))
+        # A TPU keeps no bf16 copies. One core's step needs about the same HBM in every form: checked once per shape.
+        checked = any(compiled == signature for compiled, _ in self._executables)
+        footprint = None if checked else self._footprint(args, form)
+        if footprint is not None:
+            footprint.check()  # a program that would not fit a core's HBM fails here, as on a TPU
+        executable = compiling.result()
+        host.release_freed_memory()  # the compiler's scratch: the process's peak memory stays below plain Keras'
+        self._executables[key] = executable
+        self._log_compiled(args, form, time.perf_counter() - started, footprint)
+        return executable, True
+
+    def _prepared(self, args, form, batch_key, returned):
+        """``(arguments with the weight copies, executable, whether it was compiled now)`` for a call of the
+        program in ``form`` on ``args`` (``(state, *arguments)``, placed), whose batch has ``batch_key`` (its
+        structure, shapes and dtypes: a cheaper key than every weight's, ~15 us per step, as a step's state has
+        the shapes of the state it was given); ``returned``: the state is what the last call returned."""
+        same_program = returned and self._last_call is not None and self._last_call[0] == batch_key
+        if self.rounds_weights and not same_program:
+            self._round_weights(args, form)
+        args = (args[0], self._copies.copies) + args[1:]
+        if same_program:
+            executable, compiled = self._last_call[1], False
+        else:
+            # (a failure keeps the weights: see ReplicatedSteps._state_kept_on_error)
+            executable, compiled = self._executable(args, form)
+        self._last_call = batch_key, executable
+        return args, executable, compiled
+
+    def _round_weights(self, args, form):
+        """Make the bfloat16 copies the program reads of the weights in ``args`` (see keras_tpu._rounded_weights),
+        unless the copies at hand are of these weights already.
+
+        Only weights the program's products multiply get a copy (traced abstractly once per shape, a trace the
+        compile reuses), not a table that is only looked up. A new evaluate() resets the metrics but passes back
+        the weights: they are rounded once per set of weights.
+        """
+        self._reads_copies, read = self._reading(form).copies_to_make(
+            *self.layout.device_shapes(args, (REPLICATED,) + self.ARGUMENT_SPECS[1:]),
+            training=self.mode == "train", axis_env=self.layout.axis_env())
+        self._copies.for_weights(jax.tree.leaves(args[0][0]), read)
+
+    def _run(self, executable, args):
+        """Call ``executable`` on ``args``: ``(logs or outputs, state)``, the next call's weight copies kept."""
+        result = self._kept_copies(executable(*args))
+        self._last_state = jax.tree.leaves(result[1])
+        self._in_flight.add(result[0])  # logs or outputs: the state is donated to the next call
+        return result
+
+    def _kept_copies(self, result):
+        """``(outputs or logs, state)`` of a program's result; the bfloat16 copies it read, or those a training
+        step returned of the weights it wrote (its last output), are kept for the next call."""
+        if self.rounds_weights:
+            returned = result[-1] if self.mode == "train" and self._reads_copies else None
+            self._copies.returned(jax.tree.leaves(result[1][0]), returned)
+        return result[:2]
+
+
+class PaddedProgram(Program):
+    """The programs of one mode of Keras' own step: ``steps_per_execution`` batches stacked into one call (one
+    program per number of stacked steps), padded to the global batch with a mask that weighs the padding rows
+    out (:mod:`keras_tpu._batching`), run on any layout, a pod's too."""
+
+    #: How the device program's arguments (state, data, mask, real rows) lie over the devices.
+    ARGUMENT_SPECS = (REPLICATED, ROWS, ROWS, REPLICATED)
+
+    def __init__(self, mode, builder, steps_per_execution, device_fn, purpose=None):
+        """``device_fn``: the builder's device step of ``mode``, ``(state, data, mask, real rows) -> (logs or
+        outputs, state)`` (a training step's also returns its large gradients)."""
+        steps_per_execution = int(steps_per_execution)
+        if steps_per_execution < 1:
+            raise ValueError(f"steps_per_execution must be a positive integer; got {steps_per_execution}.")
+        super().__init__(mode, builder, purpose)
+        self.stacker = BatchStacker(self.layout.num_cores, steps_per_execution)
+        self._device_fn = device_fn
+        # Whether batches with padding rows run a program of their own (ProgramForm.padding_rows): until a
+        # traced step shows that none of its layers computes batch statistics.
+        self._padding_rows_matter = builder.padding_rows_may_matter(mode)
+        # How the cores lie in an inference program that may merge them (ReplicatedSteps.layout_choices): None
+        # (merged) until the LayoutTrial started after the first call has timed both, once per program.
+        self._cores_layout = None
+        self._trial = None
+        builder.last_programs[mode] = self
+
+    def _device_step(self, form):
+        builder, device_fn = self.builder, self._device_fn
+
+        def step_in_form(*args):
+            with builder.tracing_form(form):
+                return device_fn(*args)
+
+        return step_in_form
+
+    def _over_devices(self, step_fn, returns_copies):
+        train = self.mode == "train"
         # (logs or outputs, state), a training step's gradients (see _device_train_returning_gradients) and the
         # weight copies it returns
         outputs = ((ROWS if self.mode == "predict" else REPLICATED, REPLICATED) + ((REPLICATED,) if train else ())
-                   + ((REPLICATED,) if copies and train else ()))
-        self._jitted[key] = jax.jit(
-            self.layout.per_device(rewrite.transform(step_fn, self.builder.rule),
-                                   in_specs=(REPLICATED, REPLICATED) + self._ARGUMENT_SPECS[1:], out_specs=outputs),
-            donate_argnums=(0, 1) if copies and train else 0)
-        return self._jitted[key]
+                   + ((REPLICATED,) if returns_copies else ()))
+        return self.layout.per_device(step_fn, in_specs=(REPLICATED,) + self.ARGUMENT_SPECS, out_specs=outputs)
+
+    def _footprint(self, args, form):
+        return self.builder.hbm_footprint(self.mode, (args[0],) + args[2:], form)
+
+    def _log_compiled(self, args, form, seconds, footprint):
+        data, mask, real_rows = args[2:]
+        steps, real = mask.shape[1], int(np.max(real_rows))
+        padding = "" if real == self.stacker.global_batch else f", {real} real rows"
+        x = keras.utils.unpack_x_y_sample_weight(data)[0]
+        shapes = tree.map_structure(lambda a: a[:, 0], x, none_is_leaf=False)  # one step's rows
+        logger.info("Compiled the TPU %s program (global batch %d%s, %d step(s) per call%s) in %.1f s; inputs "
+                    "%s%s.", self.purpose, self.stacker.global_batch, padding, steps, form.describe(), seconds,
+                    describe_input_shapes(shapes), "" if footprint is None else f"; {footprint.describe()}")
+        self.builder.note_compiled_shape(self.mode, describe_input_shapes(shapes, rows=0))
 
     def _place(self, state, stacked, returned):
         args = (state, stacked.data, stacked.mask, stacked.real_rows)
@@ -249,52 +394,6 @@ class Program:
         if state_placed:
             return args
         return (jax.device_put(state, replicated),) + args[1:]
-
-    def _executable(self, args, stacked, form):
-        """``(executable, whether it was compiled now)`` of this mode's program in ``form`` for ``args``."""
-        leaves, structure = jax.tree.flatten(args)
-        signature = structure, tuple((a.shape, a.dtype) for a in leaves)
-        key = signature, form
-        executable = self._executables.get(key)
-        if executable is not None:
-            return executable, False
-        started = time.perf_counter()
-        # XLA compiles without holding the GIL, so the per-core HBM estimate (a Python trace of one
-        # core's step) runs meanwhile: ResNet-20's first step is ready 0.7 s sooner.
-        traced = self._program(self._reads_copies, form).trace(*args)
-        # XLA:CPU's options on this host, for this kind of program (see keras_tpu.mxu._kernels.compiler_options).
-        compiling = _COMPILER.submit(traced.lower().compile, kernels.compiler_options(self.mode, traced.jaxpr))
-        # A TPU keeps no bf16 copies. One core's step needs about the same HBM in every form: checked once per shape.
-        checked = any(compiled == signature for compiled, _ in self._executables)
-        footprint = None if checked else self.builder.hbm_footprint(self.mode, (args[0],) + args[2:], form)
-        if footprint is not None:
-            footprint.check()  # a program that would not fit a core's HBM fails here, as on a TPU
-        executable = compiling.result()
-        host.release_freed_memory()  # the compiler's scratch: the process's peak memory stays below plain Keras'
-        self._executables[key] = executable
-        real = int(stacked.real_rows.max())
-        padding = "" if real == self.stacker.global_batch else f", {real} real rows"
-        x = keras.utils.unpack_x_y_sample_weight(stacked.data)[0]
-        shapes = tree.map_structure(lambda a: a[:, 0], x, none_is_leaf=False)  # one step's rows
-        logger.info("Compiled the TPU %s program (global batch %d%s, %d step(s) per call%s) in %.1f s; inputs "
-                    "%s%s.", self.purpose, self.stacker.global_batch, padding, stacked.steps, form.describe(),
-                    time.perf_counter() - started, describe_input_shapes(shapes),
-                    "" if footprint is None else f"; {footprint.describe()}")
-        self.builder.note_compiled_shape(self.mode, describe_input_shapes(shapes, rows=0))
-        return executable, True
-
-    def _round_weights(self, args, form):
-        """Make the bfloat16 copies the program reads of the weights in ``args`` (see keras_tpu._rounded_weights),
-        unless the copies at hand are of these weights already.
-
-        Only weights the program's products multiply get a copy (traced abstractly once per shape, a trace the
-        compile reuses), not a table that is only looked up. A new evaluate() resets the metrics but passes back
-        the weights: they are rounded once per set of weights.
-        """
-        self._reads_copies, read = self._reading(form).copies_to_make(
-            *self.layout.device_shapes(args, self._ARGUMENT_SPECS), training=self.mode == "train",
-            axis_env=self.layout.axis_env())
-        self._copies.for_weights(jax.tree.leaves(args[0][0]), read)
 
     def _call(self, state, iterator):
         """Run the next ``steps_per_execution`` batches: ``[((logs or outputs, state), stacked batches)]``, one
@@ -321,29 +420,15 @@ class Program:
         args = self._place(state, stacked, returned)
         form = ProgramForm(self._trial.layout() if self._trial is not None else self._cores_layout or MERGED,
                            padding_rows=self._padding_rows_matter and stacked.has_padding_rows)
-        # A step's state has the shapes of the state it was given, so after the first step only the batch can
-        # change which program runs: its numpy shapes are a cheaper key than every weight's (~15 us per step).
         batch_leaves, batch_structure = jax.tree.flatten(stacked.data)
         batch_key = batch_structure, tuple((a.shape, a.dtype) for a in batch_leaves), form
-        same_program = returned and self._last_call is not None and self._last_call[0] == batch_key
-        if self.rounds_weights and not same_program:
-            self._round_weights(args, form)
-        args = (args[0], self._copies.copies) + args[1:]
-        compiled = False
-        if same_program:
-            executable = self._last_call[1]
-        else:
-            # (a failure keeps the weights: see ReplicatedSteps._state_kept_on_error)
-            executable, compiled = self._executable(args, stacked, form)
-            if compiled and not self.builder.computes_batch_statistics:
-                # No layer of the traced step computes batch statistics: one program serves every batch.
-                self._padding_rows_matter = False
-        self._last_call = batch_key, executable
+        args, executable, compiled = self._prepared(args, form, batch_key, returned)
+        if compiled and not self.builder.computes_batch_statistics:
+            # No layer of the traced step computes batch statistics: one program serves every batch.
+            self._padding_rows_matter = False
         if not pod.is_multi_worker():
             started = time.perf_counter()
-            result = self._kept_copies(executable(*args))
-            self._last_state = jax.tree.leaves(result[1])
-            self._in_flight.add(result[0])  # logs or outputs: the state is donated to the next call
+            result = self._run(executable, args)
             self._time_layout(form.layout, result, started, stacked.steps, compiled)
             return result, stacked
         try:
@@ -374,16 +459,12 @@ class Program:
         self._cores_layout, self._trial = chosen, None
 
     def _kept_copies(self, result):
-        """``(outputs or logs, state)`` of a program's result (a training step's gradients dropped); the bfloat16
-        copies it read, or those a training step returned of the weights it wrote, are kept for the next call."""
-        if self.rounds_weights:
-            returned = result[3] if self.mode == "train" and len(result) == 4 else None
-            self._copies.returned(jax.tree.leaves(result[1][0]), returned)
+        """(See :meth:`Program._kept_copies`; a training step's gradients are dropped.)"""
         if self.mode == "train" and result[2]:
             # A step with large gradients of its own runs alone: a second in flight holds a second set (the
             # embedding model peaked at 538 MiB with two, 496 with one, plain Keras 512-522; as fast).
             self._in_flight.limit = 1
-        return result[:2]
+        return super()._kept_copies(result)
 
     def run_for_logs(self, state, iterator):
         (logs, state), _ = self._call(state, iterator)[-1]

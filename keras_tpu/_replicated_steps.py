@@ -64,7 +64,7 @@ from keras_tpu._logging import logger
 from keras_tpu._cores import CoreLayout
 from keras_tpu._custom_steps import (CustomSteps, couples_rows_in_training, custom_step_methods, random_in_training,
                                      rows_interact)
-from keras_tpu._programs import LOOPED, Program, ProgramForm
+from keras_tpu._programs import LOOPED, PaddedProgram, ProgramForm
 from keras_tpu.mxu._numerics import canonical_precision
 from keras_tpu.mxu._routing import mxu_rule
 from keras_tpu._vector_unit import vector_unit_rule
@@ -280,7 +280,7 @@ class ReplicatedSteps:
             return self._state_kept_on_error("train", CustomSteps(self).function("train", steps_per_execution))
         return self._state_kept_on_error("train", self._unless_padding_rows_count(
             "train", steps_per_execution,
-            Program("train", self, steps_per_execution, self._device_train_returning_gradients).run_for_logs,
+            PaddedProgram("train", self, steps_per_execution, self._device_train_returning_gradients).run_for_logs,
             probe_rows=not graph_per_core))
 
     def test_function(self, steps_per_execution=1):
@@ -288,8 +288,9 @@ class ReplicatedSteps:
         self._refuse_stateful_layers()
         if "test_step" in self.custom:
             return self._state_kept_on_error("test", CustomSteps(self).function("test", steps_per_execution))
-        return self._state_kept_on_error("test", self._unless_padding_rows_count(
-            "test", steps_per_execution, Program("test", self, steps_per_execution, self._device_test).run_for_logs))
+        program = PaddedProgram("test", self, steps_per_execution, self._device_test)
+        return self._state_kept_on_error("test", self._unless_padding_rows_count("test", steps_per_execution,
+                                                                                 program.run_for_logs))
 
     def _state_kept_on_error(self, mode, function):
         """``function`` (a step function of Keras' loops), which puts the ``state`` it was given back into the
@@ -427,7 +428,7 @@ class ReplicatedSteps:
         self._refuse_stateful_layers()
         if "predict_step" in self.custom:
             return self._state_kept_on_error("predict", CustomSteps(self).function("predict", steps_per_execution))
-        program = Program("predict", self, steps_per_execution, self._device_predict, purpose=purpose)
+        program = PaddedProgram("predict", self, steps_per_execution, self._device_predict, purpose=purpose)
         if graph_per_core:
             return self._state_kept_on_error("predict", program.run_for_outputs)
         return self._state_kept_on_error("predict", self._unless_padding_rows_count(

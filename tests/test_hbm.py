@@ -323,16 +323,37 @@ def test_bert_12gb_gpu_table_without_tiling(config, seq_length):
     assert not estimate(too_many).fits
 
 
-def test_fit_refuses_a_step_that_would_not_fit_a_core_before_running_it(monkeypatch):
+class _OwnTrainStep(keras.Model):
+    """A model with its own train_step (Keras 3's JAX signature), as keras.io's custom-fit guide writes it."""
+
+    def train_step(self, state, data):
+        x, y = data
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+
+        def loss_fn(trainable):
+            y_pred, non_trainable_after = self.stateless_call(trainable, non_trainable, x, training=True)
+            return keras.ops.mean((y_pred - y) ** 2), non_trainable_after
+
+        (loss, non_trainable), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+        trainable, optimizer_variables = self.optimizer.stateless_apply(optimizer_variables, grads, trainable)
+        return {"loss": loss}, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+
+@pytest.mark.parametrize("kind", ["Keras' step", "own train_step", "add_loss"])
+def test_fit_refuses_a_step_that_would_not_fit_a_core_before_running_it(monkeypatch, kind):
     """The check is wired into the compile of every TPU program: a step needing ~10 GiB per core (65,536 rows
-    through a 32,768-wide layer) fails with the TPU's error before anything is compiled or run (one core, so
-    that a regression could not allocate eight times that here)."""
+    through a 32,768-wide layer) fails with the TPU's error before it runs (one core, so that a regression could
+    not allocate eight times that here). So do the steps that run without padding rows: a model's own train_step,
+    and Keras' step for a model that adds losses in call() (an activity regularizer)."""
     monkeypatch.delenv(hbm.IGNORE_HBM_ENV, raising=False)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(32768, activation="relu"), keras.layers.Dense(1)])
+    inputs = keras.Input((4,))
+    wide = keras.layers.Dense(32768, activation="relu",
+                              activity_regularizer="l2" if kind == "add_loss" else None)(inputs)
+    model = (_OwnTrainStep if kind == "own train_step" else keras.Model)(inputs, keras.layers.Dense(1)(wide))
     model.compile("adam", "mse")
     tpu = keras_tpu.keras_to_tpu_model(model, keras_tpu.TPUDistributionStrategy(using_single_core=True))
     x = np.zeros((65536, 4), "float32")
-    with pytest.raises(keras_tpu.ResourceExhaustedError, match=r"a v2-8 core has 8\.00 GiB") as raised:
+    with pytest.raises(keras_tpu.ResourceExhaustedError, match=r"train step .* a v2-8 core has 8\.00 GiB") as raised:
         tpu.fit(x, x[:, :1], batch_size=65536, verbose=0)
     assert "dense" in str(raised.value) and raised.value.footprint.total_bytes > 8 * 2**30
     # Nothing ran and nothing was lost: the model keeps its weights and predicts at a batch that fits.
