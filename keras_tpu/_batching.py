@@ -1,7 +1,8 @@
 """Feeding the cores: every batch is padded to one global batch size, with a mask.
 
 A TPU program is compiled for fixed shapes, so keras-tpu pads every batch to
-the same *global batch*: the largest batch seen, rounded up to a multiple of
+the same *global batch*: the largest batch seen in the loop (a ``fit``,
+``evaluate`` or ``predict`` call), rounded up to a multiple of
 the number of cores (a batch of 100 on 8 cores runs as 8 x 13 rows). Padding
 rows carry a mask of 0, which keeps them out of the loss, gradients, metrics
 and predictions. The last, partial batch of an epoch therefore reuses the same
@@ -69,9 +70,14 @@ class StackedBatches:
 class BatchStacker:
     """Pads and stacks the batches of one program (train, test or predict).
 
-    The global batch grows to the largest batch seen (which recompiles the
-    program once, with a log line); it never shrinks, so partial batches
-    run the program of the full ones (but see the module doc).
+    Within a loop of Keras' (a ``fit``, ``evaluate`` or ``predict`` call, all
+    its epochs), the global batch grows to the largest batch seen (which
+    recompiles the program once, with a log line) and never shrinks, so
+    partial batches run the program of the full ones (but see the module
+    doc). A new loop (:meth:`new_loop`) sets it from its own first batches:
+    a later ``fit`` at a smaller ``batch_size``, or a ``predict`` of a few
+    rows, runs a program of its own size, as a TPU compiles one for each new
+    shape, rather than padding its rows to an earlier loop's batch.
 
     Example:
         >>> stacker = BatchStacker(num_cores=8, steps=2)
@@ -84,7 +90,22 @@ class BatchStacker:
         self.num_cores = num_cores
         self.steps = steps
         self.global_batch = 0
+        self._in_loop = False  # whether the loop's first batches were stacked (see new_loop)
         self._masks = {}  # (global batch, rows of each step) -> (mask, real_rows): most steps share one
+
+    def new_loop(self):
+        """A new loop of Keras' begins: its first batches set the global batch anew.
+
+        Example:
+            >>> stacker = BatchStacker(num_cores=8, steps=1)
+            >>> _ = stacker.stack([(np.ones((1024, 3)),)]); _ = stacker.stack([(np.ones((100, 3)),)])
+            >>> stacker.global_batch        # the partial batch ran padded to the loop's 1024 rows
+            1024
+            >>> stacker.new_loop(); _ = stacker.stack([(np.ones((32, 3)),)])
+            >>> stacker.global_batch
+            32
+        """
+        self._in_loop = False
 
     def stack(self, batches):
         if not 1 <= len(batches) <= self.steps:
@@ -97,7 +118,9 @@ class BatchStacker:
             raise ValueError("All batches of a program must have the same structure "
                              "(inputs, targets and sample weights).")
         rows = [_rows(leaves) for leaves, _ in flat]
-        self.global_batch = max(self.global_batch, pad_to_global_batch(max(rows), self.num_cores))
+        needed = pad_to_global_batch(max(rows), self.num_cores)
+        self.global_batch = max(self.global_batch, needed) if self._in_loop else needed
+        self._in_loop = True
         padded, steps = self.global_batch, len(batches)
 
         def stack_leaf(leaves):

@@ -203,19 +203,30 @@ def _model_methods(placement):
         validation.check_steps_per_execution(model.steps_per_execution, where="model.steps_per_execution")
         return model.steps_per_execution
 
+    def new_loop(function):
+        # Keras asks for the function at the start of each fit, evaluate and predict call (and of each
+        # train_on_batch): its batches set the global batch anew (see keras_tpu._batching.BatchStacker.new_loop).
+        getattr(function, "new_loop", lambda: None)()
+
     def make_train_function(model, force=False):
         if model.train_function is None or force:
             model.train_function = placement.steps_for(model).train_function(steps_per_execution(model))
+        else:
+            new_loop(model.train_function)
         return model.train_function
 
     def make_test_function(model, force=False):
         if model.test_function is None or force:
             model.test_function = placement.steps_for(model).test_function(steps_per_execution(model))
+        else:
+            new_loop(model.test_function)
         return model.test_function
 
     def make_predict_function(model, force=False):
         if model.predict_function is None or force:
             model.predict_function = placement.steps_for(model).predict_function(steps_per_execution(model))
+        else:
+            new_loop(model.predict_function)
         return model.predict_function
 
     def checked(call):

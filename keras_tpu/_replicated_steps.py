@@ -278,10 +278,9 @@ class ReplicatedSteps:
         self._refuse_stateful_layers()
         if "train_step" in self.custom:
             return self._state_kept_on_error("train", CustomSteps(self).function("train", steps_per_execution))
+        program = PaddedProgram("train", self, steps_per_execution, self._device_train_returning_gradients)
         return self._state_kept_on_error("train", self._unless_padding_rows_count(
-            "train", steps_per_execution,
-            PaddedProgram("train", self, steps_per_execution, self._device_train_returning_gradients).run_for_logs,
-            probe_rows=not graph_per_core))
+            "train", steps_per_execution, program.run_for_logs, probe_rows=not graph_per_core), program)
 
     def test_function(self, steps_per_execution=1):
         """``(state, iterator) -> (logs, state)``, for ``model.test_function``."""
@@ -290,11 +289,13 @@ class ReplicatedSteps:
             return self._state_kept_on_error("test", CustomSteps(self).function("test", steps_per_execution))
         program = PaddedProgram("test", self, steps_per_execution, self._device_test)
         return self._state_kept_on_error("test", self._unless_padding_rows_count("test", steps_per_execution,
-                                                                                 program.run_for_logs))
+                                                                                 program.run_for_logs), program)
 
-    def _state_kept_on_error(self, mode, function):
+    def _state_kept_on_error(self, mode, function, program=None):
         """``function`` (a step function of Keras' loops), which puts the ``state`` it was given back into the
-        model's variables when it fails, unless its program already consumed it.
+        model's variables when it fails, unless its program already consumed it. Its ``new_loop()`` tells the
+        :class:`keras_tpu._programs.PaddedProgram` it runs (``program``), if any, that a loop of Keras' begins
+        (see :meth:`keras_tpu._batching.BatchStacker.new_loop`).
 
         Keras' JAX trainer takes the values out of the variables for the
         duration of ``fit``/``evaluate``/``predict`` and puts back the last
@@ -312,6 +313,7 @@ class ReplicatedSteps:
                     _keras_private.give_back_state(self.model, mode, state)  # (donated to a program that ran: gone)
                 raise
 
+        step_function.new_loop = program.stacker.new_loop if program is not None else lambda: None
         return step_function
 
     def _unless_padding_rows_count(self, mode, steps_per_execution, padded_function, probe_rows=True):
@@ -430,9 +432,9 @@ class ReplicatedSteps:
             return self._state_kept_on_error("predict", CustomSteps(self).function("predict", steps_per_execution))
         program = PaddedProgram("predict", self, steps_per_execution, self._device_predict, purpose=purpose)
         if graph_per_core:
-            return self._state_kept_on_error("predict", program.run_for_outputs)
+            return self._state_kept_on_error("predict", program.run_for_outputs, program)
         return self._state_kept_on_error("predict", self._unless_padding_rows_count(
-            "predict", steps_per_execution, program.run_for_outputs))
+            "predict", steps_per_execution, program.run_for_outputs), program)
 
     @property
     def global_batch(self):

@@ -356,6 +356,7 @@ def test_fit_refuses_a_step_that_would_not_fit_a_core_before_running_it(monkeypa
     with pytest.raises(keras_tpu.ResourceExhaustedError, match=r"train step .* a v2-8 core has 8\.00 GiB") as raised:
         tpu.fit(x, x[:, :1], batch_size=65536, verbose=0)
     assert "dense" in str(raised.value) and raised.value.footprint.total_bytes > 8 * 2**30
-    # Nothing ran and nothing was lost: the model keeps its weights and predicts at a batch that fits.
+    # Nothing ran and nothing was lost: the model keeps its weights, and predicts and trains at a batch that fits.
     assert [w.shape for w in tpu.get_weights()] == [(4, 32768), (32768,), (32768, 1), (1,)]
     assert tpu.predict(x[:64], batch_size=64, verbose=0).shape == (64, 1)
+    tpu.fit(x[:64], x[:64, :1], batch_size=64, verbose=0)

@@ -446,6 +446,24 @@ def test_partial_batches_never_recompile(caplog):
     assert compiled_programs(caplog) == [("train", 64, 1), ("test", 64, 1), ("predict", 64, 1)]
 
 
+def test_each_fit_evaluate_and_predict_call_runs_at_its_own_batch_size(caplog):
+    """A later fit at a smaller batch_size, or a predict of a few rows, runs a program of its own size (as a TPU
+    compiles one per new shape), not its rows padded to an earlier call's batch; a size seen before runs its
+    program again, and within a call a partial batch still pads to the call's batch."""
+    caplog.set_level(logging.INFO, logger="keras_tpu")
+    x, y = classification_data(200)
+    cpu, reference = small_classifier(), small_classifier()
+    tpu = on_tpu(cpu, "highest")
+    for model in (tpu, reference):
+        model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)  # 64, 64, 64, 8 rows
+        model.fit(x[:40], y[:40], batch_size=16, epochs=1, shuffle=False, verbose=0)  # 16, 16, 8
+        model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(tpu.get_weights(), reference.get_weights(), atol=1e-5)
+    tpu.predict(x, batch_size=64, verbose=0)
+    np.testing.assert_allclose(tpu.predict(x[:3], verbose=0), reference.predict(x[:3], verbose=0), atol=1e-5)
+    assert compiled_programs(caplog) == [("train", 64, 1), ("train", 16, 1), ("predict", 64, 1), ("predict", 8, 1)]
+
+
 def test_a_batch_that_does_not_split_over_8_cores_is_padded(caplog):
     caplog.set_level(logging.INFO, logger="keras_tpu")
     x, y = classification_data(250)
