@@ -500,7 +500,7 @@ class _Liveness:
 
 
 def step_footprint(step_fn, args, *, accelerator_type="v2-8", argument_names=None, argument_kinds=None,
-                   donate_argnums=(0,), tiled=True, fused=True, label="", capacity_bytes=None):
+                   donate_argnums=(0,), tiled=True, fused=True, label="", capacity_bytes=None, axis_env=None):
     """The per-core HBM footprint of one core's step ``step_fn(*args)``, traced abstractly.
 
     Args:
@@ -516,6 +516,7 @@ def step_footprint(step_fn, args, *, accelerator_type="v2-8", argument_names=Non
             step's state): they are freed after their last read.
         tiled, fused: the TPU's tiled layouts and XLA's fusion (module docstring).
         capacity_bytes: the HBM to compare with (default: the accelerator type's).
+        axis_env: the collective axes ``step_fn`` uses, as in :func:`jax.make_jaxpr`.
 
     Example:
         >>> w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
@@ -526,7 +527,7 @@ def step_footprint(step_fn, args, *, accelerator_type="v2-8", argument_names=Non
         True
     """
     spec, _ = accelerator_spec(accelerator_type)
-    closed = jax.make_jaxpr(step_fn)(*args)
+    closed = jax.make_jaxpr(step_fn, axis_env=axis_env)(*args)
     jaxpr = closed.jaxpr
     leaves, _ = jax.tree.flatten(args)
     donated = set()

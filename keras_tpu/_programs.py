@@ -45,6 +45,12 @@ MERGED, LOOPED = "merged", "looped"
 _COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="keras-tpu-compile")
 
 
+def compiling_in_background(lowered, *options):
+    """A future of ``lowered.compile(*options)``, compiled on the compile thread: XLA compiles without holding the
+    GIL, so the caller's Python (a per-core HBM estimate) runs meanwhile."""
+    return _COMPILER.submit(lowered.compile, *options)
+
+
 class ProgramForm(NamedTuple):
     """Which form of a mode's device step a program runs; each form is traced and compiled on its own.
 
@@ -256,7 +262,7 @@ class Program:
         # core's step) runs meanwhile: ResNet-20's first step is ready 0.7 s sooner.
         traced = self._program(self._reads_copies, form).trace(*args)
         # XLA:CPU's options on this host, for this kind of program (see keras_tpu.mxu._kernels.compiler_options).
-        compiling = _COMPILER.submit(traced.lower().compile, kernels.compiler_options(self.mode, traced.jaxpr))
+        compiling = compiling_in_background(traced.lower(), kernels.compiler_options(self.mode, traced.jaxpr))
         # A TPU keeps no bf16 copies. One core's step needs about the same HBM in every form: checked once per shape.
         checked = any(compiled == signature for compiled, _ in self._executables)
         footprint = None if checked else self._footprint(args, form)

@@ -50,10 +50,12 @@ import keras
 import numpy as np
 from keras import tree
 
-from keras_tpu import _keras_private, _pod as pod, _rewrite as rewrite
+from keras_tpu import _hbm as hbm, _keras_private, _pod as pod, _rewrite as rewrite
+from keras_tpu._cores import CORE_AXIS
 from keras_tpu._custom_steps import gradients_summed_over_cores
 from keras_tpu._logging import logger
 from keras_tpu._placement import Placement, installed_on
+from keras_tpu._programs import compiling_in_background
 from keras_tpu.mxu import _kernels as kernels
 
 _active = threading.local()
@@ -867,6 +869,11 @@ def _combine_over_cores(variable, old, per_core):
     return per_core[0]  # weights and counters: the same on every core
 
 
+def _function_name(fn):
+    """What a replica function is called, for messages: ``train_step``, or its class's name."""
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
 def _replica_function_key(fn):
     """What a replica function's compiled program is kept under: the function, or for a plain Python function
     its code and the objects it closes over and defaults to.
@@ -898,11 +905,15 @@ class _RunProgram:
     mapping them (optimizers applying the sum of the cores' gradients, as TensorFlow's do), and the new
     values are written back after the call, combined over the cores by each
     variable's aggregation (metrics summed; weights and slots, identical on every
-    core, taken once).
+    core, taken once). Before the program first runs for some argument shapes,
+    one core's ``fn`` is checked against a core's HBM, as a TPU's compiler does
+    (:meth:`_check_hbm`).
     """
 
     def __init__(self, strategy, fn, treedef, kinds, static, replicated, sharded):
         self.fn, self.treedef, self.kinds, self.static = fn, treedef, kinds, static
+        self.layout, self.accelerator_type = strategy.layout, strategy.placement.accelerator_type
+        self._hbm_checked = set()  # the argument shapes whose per-core HBM was checked
         abstract = lambda tree_: jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)),
                                                tree_)
         one_replica = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), abstract(x))
@@ -932,6 +943,7 @@ class _RunProgram:
                                       old.dtype)[None] for v, old in zip(self.written, old_values)]
             return jax.tree.map(lambda a: jnp.asarray(a)[None], outputs), new_values
 
+        self._core_fn = core_fn
         per_core = strategy.layout.per_core(rewrite.transform(core_fn, strategy.placement.rule), (False, False, True),
                                             (True, True))
 
@@ -962,12 +974,45 @@ class _RunProgram:
         args, kwargs = jax.tree.unflatten(self.treedef, leaves)
         return self.fn(*args, **kwargs)
 
+    def _check_hbm(self, values, replicated, sharded):
+        """Refuse, as a TPU's compiler does, a replica function whose step on one core would not fit the core's HBM
+        (:mod:`keras_tpu._hbm`): one core's ``fn`` (products in float32: a TPU keeps no bfloat16 copies) is
+        traced abstractly on the variables, the arguments every core gets whole, and one replica's share, once
+        per argument shapes. The variables count as donated: TensorFlow updates them in place. Meanwhile the
+        program compiles for these shapes in the background (its call then finds it compiled)."""
+        if self.accelerator_type is None:  # a CPU placement has no HBM
+            return
+        leaves = jax.tree.leaves((values, replicated, sharded))
+        signature = tuple((jnp.shape(a), jnp.result_type(a)) for a in leaves)
+        if signature in self._hbm_checked:
+            return
+        compiling = None
+        if not any(isinstance(a, jax.core.Tracer) for a in leaves):  # (under the user's jit, its compile decides)
+            compiling = compiling_in_background(self.program.lower(values, replicated, sharded))
+        shaped = lambda shape, a: jax.ShapeDtypeStruct(shape, jnp.result_type(a))
+        abstract = lambda tree_: jax.tree.map(lambda a: shaped(jnp.shape(a), a), tree_)
+        # A core's share of a per-replica argument: one replica's, (1, ...), under a core axis of one.
+        one_core = [jax.tree.map(lambda a: shaped((1, 1) + jnp.shape(a)[1:], a), x) for x in sharded]
+        core_step = jax.vmap(self._core_fn, in_axes=(None, None, 0), axis_name=CORE_AXIS, axis_size=1)
+        names = [v.path for v in self.variables]
+        kinds = ["parameter" if v.trainable else "variable" for v in self.variables]
+        footprint = hbm.step_footprint(
+            core_step, (abstract(values), abstract(replicated), one_core), accelerator_type=self.accelerator_type,
+            argument_names=names, argument_kinds=kinds, label=f"replica function {_function_name(self.fn)!r}",
+            axis_env=None if self.layout.num_devices == 1 else self.layout.axis_env())
+        if compiling is not None:
+            compiling.result()  # (a program that would not fit is not run: see below)
+        footprint.check()  # (nothing ran: the variables keep their values)
+        logger.info("strategy.run's replica function %r needs %s.", _function_name(self.fn), footprint.describe())
+        self._hbm_checked.add(signature)
+
     def __call__(self, replicated, sharded):
         values = [v.value for v in self.variables]
         if not pod.is_multi_worker():  # (a pod's workers hold host values, which jit places as it always did)
             values = [value if getattr(value, "sharding", None) == self.replicated or
                       isinstance(value, jax.core.Tracer) else jax.device_put(value, self.replicated)
                       for value in values]
+        self._check_hbm(values, replicated, sharded)
         try:
             outputs, combined = self.program(values, replicated, sharded)
         except ValueError as error:   # called while the user's own jit traces (JAX names the nested-jit rule)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import keras_tpu
-from keras_tpu import _rewrite as rewrite
+from keras_tpu import _hbm as hbm, _rewrite as rewrite
 from keras_tpu._placement import installed_on
 from tests.tpu_helpers import assert_weights_close, classification_data, compiled_programs, small_classifier
 
@@ -372,3 +372,46 @@ def test_a_replica_function_defined_anew_reuses_its_program_only_while_it_reads_
     for _ in range(3):
         strategy.run(scaled_by(scale), args=(batch,))
     assert len(strategy._run_programs) == 3
+
+
+def test_a_replica_function_that_would_not_fit_a_core_fails_before_it_runs(monkeypatch, caplog):
+    """strategy.run checks one core's replica function against a core's HBM before its program first runs, as a
+    TPU's compiler does: a training step through a 32,768-wide layer at 65,536 rows per replica (~10 GiB) fails
+    with the TPU's error and leaves the variables as they were (one replica, so that a regression could not
+    allocate eight times that here); at 64 rows the same function trains, its footprint logged."""
+    monkeypatch.delenv(hbm.IGNORE_HBM_ENV, raising=False)
+    caplog.set_level(logging.INFO, logger="keras_tpu")
+    resolver = keras_tpu.TPUClusterResolver()
+    topology = keras_tpu.initialize_tpu_system(resolver)
+    strategy = keras_tpu.TPUStrategy(resolver, experimental_device_assignment=keras_tpu.DeviceAssignment.build(
+        topology, num_replicas=1))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(32768, activation="relu"),
+                                  keras.layers.Dense(1)])
+        optimizer = keras.optimizers.SGD(0.1)
+    before = model.get_weights()
+
+    def train_step(inputs):
+        features, targets = inputs
+
+        def loss_of(trainable):
+            predicted, _ = model.stateless_call(trainable, [v.value for v in model.non_trainable_variables], features)
+            return keras.ops.mean((predicted - targets) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_of)([v.value for v in model.trainable_variables])
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    x = np.ones((65536, 4), "float32")
+    too_large = next(iter(strategy.experimental_distribute_dataset([(x, x[:, :1])])))
+    with pytest.raises(keras_tpu.ResourceExhaustedError,
+                       match=r"The replica function 'train_step' needs .* a v2-8 core has 8\.00 GiB") as raised:
+        strategy.run(train_step, args=(too_large,))
+    assert "dense" in str(raised.value) and raised.value.footprint.total_bytes > 8 * 2**30
+    assert int(optimizer.iterations.value) == 0
+    for kept, was in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(kept, was)
+    fits = next(iter(strategy.experimental_distribute_dataset([(x[:64], x[:64, :1])])))
+    strategy.run(train_step, args=(fits,))
+    assert int(optimizer.iterations.value) == 1
+    assert "replica function 'train_step' needs 0.0 of 8.0 GiB HBM per core" in caplog.text
