@@ -202,17 +202,20 @@ def unstack_outputs(outputs, stacked):
 
 
 def describe_input_shapes(x, rows=None):
-    """The shapes of a batch's inputs as a log line shows them (``rows`` replaces the row count).
+    """The shapes of a batch's inputs as a log line shows them (``rows`` replaces the row count: a number, or
+    ``"None"`` for shapes of any row count, as Keras' summaries write them).
 
     Example:
         >>> describe_input_shapes({"tokens": np.zeros((32, 12)), "ids": np.zeros((32,))})
         'ids (32,), tokens (32, 12)'
-        >>> describe_input_shapes(np.zeros((100, 7)), rows=104)
-        '(104, 7)'
+        >>> describe_input_shapes(np.zeros((100, 7)), rows=104), describe_input_shapes(np.zeros((100, 7)), "None")
+        ('(104, 7)', '(None, 7)')
     """
     def shape(leaf):
         dims = tuple(np.shape(leaf))
-        return str((rows,) + dims[1:] if rows is not None and dims else dims)
+        if rows is not None and dims:
+            dims = (rows,) + dims[1:]
+        return "(" + ", ".join(str(d) for d in dims) + ("," if len(dims) == 1 else "") + ")"
 
     if isinstance(x, dict):
         return ", ".join(f"{key} {describe_input_shapes(x[key], rows)}" for key in sorted(x))

@@ -492,7 +492,7 @@ class UnpaddedProgram(Program):
         logger.info("Compiled the TPU %s program (global batch %d, 1 step(s) per call) in %.1f s (%s %s_step %s); "
                     "inputs %s%s.", self.mode, rows, seconds, whose, self.mode, where, describe_input_shapes(x),
                     "" if footprint is None else f"; {footprint.describe()}")
-        self.builder.note_compiled_shape(self.mode, describe_input_shapes(x, rows=0))
+        self.builder.note_compiled_shape(self.mode, describe_input_shapes(x, rows="None"))
 
     def _state_on_cores(self, state, returned):
         """``state`` on the cores' device(s): as it is when it is what the last step ``returned``."""

@@ -375,7 +375,7 @@ class PaddedProgram(Program):
         logger.info("Compiled the TPU %s program (global batch %d%s, %d step(s) per call%s) in %.1f s; inputs "
                     "%s%s.", self.purpose, self.stacker.global_batch, padding, steps, form.describe(), seconds,
                     describe_input_shapes(shapes), "" if footprint is None else f"; {footprint.describe()}")
-        self.builder.note_compiled_shape(self.mode, describe_input_shapes(shapes, rows=0))
+        self.builder.note_compiled_shape(self.mode, describe_input_shapes(shapes, rows="None"))
 
     def _place(self, state, stacked, returned):
         args = (state, stacked.data, stacked.mask, stacked.real_rows)

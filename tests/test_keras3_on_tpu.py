@@ -662,6 +662,41 @@ def test_the_mixed_bfloat16_policy_computes_in_bfloat16_on_the_mxu():
     assert activations.dtype == "bfloat16"
 
 
+@pytest.mark.parametrize("front_end", ["TPUStrategy", "keras_to_tpu_model"])
+def test_mixed_bfloat16_attention_without_dropout_trains_as_plain_keras(front_end):
+    """keras.io's text Transformer under mixed_bfloat16: MultiHeadAttention without dropout computes through
+    jax.nn.dot_product_attention, whose einsum asks the dot algorithm BF16_BF16_F32 (one bf16 pass, float32
+    sums: the MXU's own) for bfloat16 queries. It trains and predicts as plain Keras does."""
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((64, 16, 8)).astype("float32"), rng.integers(0, 2, 64)
+
+    def build(scope=None):
+        keras.utils.set_random_seed(0)
+        with scope or contextlib.nullcontext():
+            inputs = keras.Input((16, 8))
+            h = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)(inputs, inputs)
+            outputs = keras.layers.Dense(2, activation="softmax", dtype="float32")(
+                keras.layers.GlobalAveragePooling1D()(h))
+            model = keras.Model(inputs, outputs)
+            model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
+        return model
+
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        cpu = build()
+        if front_end == "TPUStrategy":
+            tpu = build(keras_tpu.TPUStrategy(precision="highest").scope())
+        else:
+            tpu = keras_tpu.keras_to_tpu_model(build(), keras_tpu.TPUDistributionStrategy(precision="highest"))
+        got = tpu.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history["loss"]
+        want = cpu.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history["loss"]
+        predicted, expected = tpu.predict(x, verbose=0), cpu.predict(x, verbose=0)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    np.testing.assert_allclose(got, want, rtol=2e-2)  # bfloat16 activations round differently along the way
+    np.testing.assert_allclose(predicted, expected, atol=3e-2)
+
+
 @pytest.mark.parametrize("option", [{"jit_compile": True}, {"jit_compile": False}, {"jit_compile": "auto"}])
 def test_jit_compile_is_accepted_and_the_tpu_program_always_compiled(option, caplog):
     x = np.ones((32, 4), "float32")

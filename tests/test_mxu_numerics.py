@@ -80,6 +80,23 @@ def test_precision_names_are_checked():
         canonical_precision("double")
 
 
+@pytest.mark.parametrize("preset, passes", [("BF16_BF16_F32", "default"), ("BF16_BF16_F32_X3", "high"),
+                                            ("BF16_BF16_F32_X6", "highest"), ("F32_F32_F32", "highest")])
+def test_a_dot_algorithm_preset_runs_its_passes_whatever_the_default(rng, preset, passes):
+    """A product that names a dot algorithm (jax.nn.dot_product_attention asks BF16_BF16_F32 for bfloat16 queries)
+    runs its passes on the MXU under every configured precision; DEFAULT follows the configured one."""
+    a = rng.standard_normal((16, 64)).astype(np.float32)
+    b = rng.standard_normal((64, 8)).astype(np.float32)
+    einsum = lambda a, b: jnp.einsum("ij,jk->ik", a, b, precision=getattr(lax.DotAlgorithmPreset, preset),
+                                     preferred_element_type=jnp.float32)
+    want = np.asarray(mxu.matmul(a, b, precision=passes))
+    for configured in ("default", "highest"):
+        np.testing.assert_array_equal(np.asarray(mxu.route(einsum, precision=configured)(a, b)), want)
+    default_preset = lambda a, b: jnp.einsum("ij,jk->ik", a, b, precision=lax.DotAlgorithmPreset.DEFAULT)
+    np.testing.assert_array_equal(np.asarray(mxu.route(default_preset, precision="high")(a, b)),
+                                  np.asarray(mxu.matmul(a, b, precision="high")))
+
+
 def test_works_under_jit_grad_and_vmap(rng):
     a = rng.standard_normal((6, 5)).astype(np.float32)
     b = rng.standard_normal((5, 4)).astype(np.float32)

@@ -36,6 +36,7 @@ def test_variable_length_inputs_compile_one_program_per_shape_and_warn_when_ther
             tpu.fit(rng.integers(0, 20, (16, length)), np.ones((16, 1)), batch_size=16, verbose=0)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "different shapes" in r.getMessage()]
     assert len(warnings) == 1 and "pad or bucket" in warnings[0].getMessage()
+    assert "(the latest: (None, 14))" in warnings[0].getMessage()  # (any rows, as Keras writes shapes)
 
 
 def test_models_with_their_own_steps_and_losses_convert_and_double_conversion_is_refused():

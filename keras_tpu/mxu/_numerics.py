@@ -53,14 +53,44 @@ _NAMES = {
 }
 
 
+#: The MXU passes of JAX's dot algorithm presets (``jax.lax.DotAlgorithmPreset``): the fewest that compute at
+#: least what the preset asks. ``jax.nn.dot_product_attention`` (Keras' attention without dropout) asks
+#: ``BF16_BF16_F32`` for bfloat16 queries and ``F16_F16_F32`` for float16 ones. bfloat16 products summed in
+#: float32 are the MXU's own passes (``_X9``, nine of them, is more than its six: HIGHEST). float8 operands are
+#: exact in bfloat16 (one pass); float16's 11-bit and TensorFlow-32's 10-bit significands need a second
+#: bfloat16 part (HIGH, three passes); two TF32 parts, float32 and float64 take HIGHEST. ``DEFAULT`` is the
+#: configured precision, as ``precision=None`` is.
+_PRESET_PASSES = {
+    "BF16_BF16_BF16": Precision.DEFAULT, "BF16_BF16_F32": Precision.DEFAULT,
+    "BF16_BF16_F32_X3": Precision.HIGH, "BF16_BF16_F32_X6": Precision.HIGHEST, "BF16_BF16_F32_X9": Precision.HIGHEST,
+    "ANY_F8_ANY_F8_F32": Precision.DEFAULT, "ANY_F8_ANY_F8_F32_FAST_ACCUM": Precision.DEFAULT,
+    "ANY_F8_ANY_F8_ANY": Precision.DEFAULT, "ANY_F8_ANY_F8_ANY_FAST_ACCUM": Precision.DEFAULT,
+    "F16_F16_F16": Precision.HIGH, "F16_F16_F32": Precision.HIGH,
+    "TF32_TF32_F32": Precision.HIGH, "TF32_TF32_F32_X3": Precision.HIGHEST,
+    "F32_F32_F32": Precision.HIGHEST, "F64_F64_F64": Precision.HIGHEST,
+}
+
+
+def _preset_passes(precision):
+    """The MXU passes an op given a dot algorithm preset runs (``None``: not a preset, or ``DEFAULT``)."""
+    if not isinstance(precision, lax.DotAlgorithmPreset) or precision.name == "DEFAULT":
+        return None
+    if precision.name not in _PRESET_PASSES:
+        raise ValueError(f"keras_tpu's MXU has no passes for the dot algorithm {precision!r}.")
+    return _PRESET_PASSES[precision.name]
+
+
 def canonical_precision(precision):
-    """Normalise a precision given as a name, ``jax.lax.Precision`` or :class:`Precision`.
+    """Normalise a precision given as a name, ``jax.lax.Precision``, ``jax.lax.DotAlgorithmPreset`` or
+    :class:`Precision`.
 
     ``None`` means ``"default"``.
 
     Example:
         >>> canonical_precision("bfloat16_3x")
         <Precision.HIGH: 3>
+        >>> canonical_precision(lax.DotAlgorithmPreset.BF16_BF16_F32_X6)
+        <Precision.HIGHEST: 6>
     """
     if precision is None:
         return Precision.DEFAULT
@@ -68,6 +98,11 @@ def canonical_precision(precision):
         return precision
     if isinstance(precision, lax.Precision):
         return Precision[precision.name]
+    if isinstance(precision, lax.DotAlgorithmPreset):
+        return _preset_passes(precision) or Precision.DEFAULT
+    if isinstance(precision, lax.DotAlgorithm):
+        raise ValueError(f"keras_tpu's MXU runs the dot algorithms of jax.lax.DotAlgorithmPreset (bf16 passes "
+                         f"summed in float32: BF16_BF16_F32, its _X3 and _X6), not a custom {precision!r}.")
     if isinstance(precision, (tuple, list)) and len(precision) == 2:
         # dot_general/conv carry one precision per operand; the MXU uses the higher.
         first, second = (canonical_precision(p) for p in precision)
@@ -77,7 +112,7 @@ def canonical_precision(precision):
     raise ValueError(
         f"Unknown MXU precision {precision!r}. Use one of: "
         + ", ".join(repr(n) for n in _NAMES)
-        + ", a jax.lax.Precision, or None."
+        + ", a jax.lax.Precision, a jax.lax.DotAlgorithmPreset, or None."
     )
 
 
@@ -85,8 +120,17 @@ def op_precision(requested, default):
     """The precision an op runs at: its own if it asked for more than DEFAULT, else the default.
 
     On a TPU, ``precision=None``/``DEFAULT`` in an op means "the configured
-    default"; an explicit ``HIGH``/``HIGHEST`` is honoured.
+    default"; an explicit ``HIGH``/``HIGHEST`` is honoured, and so is a dot
+    algorithm preset, which names its passes (``BF16_BF16_F32``: one, whatever
+    the default).
+
+    Example:
+        >>> op_precision(None, "highest"), op_precision(lax.DotAlgorithmPreset.BF16_BF16_F32, "highest")
+        (<Precision.HIGHEST: 6>, <Precision.DEFAULT: 1>)
     """
+    preset = _preset_passes(requested)
+    if preset is not None:
+        return preset
     own = canonical_precision(requested)
     return own if own is not Precision.DEFAULT else canonical_precision(default)
 
