@@ -451,12 +451,8 @@ class UnpaddedProgram(Program):
     ARGUMENT_SPECS = (REPLICATED, REPLICATED)  # (state, data): all on the cores' one device
 
     def __init__(self, mode, custom, steps_per_execution):
-        steps_per_execution = int(steps_per_execution)
-        if steps_per_execution < 1:
-            raise ValueError(f"steps_per_execution must be a positive integer; got {steps_per_execution}.")
-        super().__init__(mode, custom.builder)
+        super().__init__(mode, custom.builder, steps_per_execution)
         self.custom = custom
-        self.steps = steps_per_execution
 
     def _device_step(self, cores):
         return self.custom.device_step(self.mode, cores)

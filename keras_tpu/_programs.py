@@ -170,9 +170,13 @@ class Program:
     #: state, replicated.
     ARGUMENT_SPECS = (REPLICATED, ROWS)
 
-    def __init__(self, mode, builder, purpose=None):
+    def __init__(self, mode, builder, steps_per_execution, purpose=None):
         """``builder``: the :class:`keras_tpu._replicated_steps.ReplicatedSteps` of the model and core layout;
-        ``purpose``: what the log calls the program (``mode``)."""
+        ``steps_per_execution``: the batches each call of Keras' step function takes; ``purpose``: what the log
+        calls the program (``mode``)."""
+        self.steps = int(steps_per_execution)
+        if self.steps < 1:
+            raise ValueError(f"steps_per_execution must be a positive integer; got {steps_per_execution}.")
         self.mode = mode
         self.purpose = purpose or mode
         self.builder = builder
@@ -331,11 +335,8 @@ class PaddedProgram(Program):
     def __init__(self, mode, builder, steps_per_execution, device_fn, purpose=None):
         """``device_fn``: the builder's device step of ``mode``, ``(state, data, mask, real rows) -> (logs or
         outputs, state)`` (a training step's also returns its large gradients)."""
-        steps_per_execution = int(steps_per_execution)
-        if steps_per_execution < 1:
-            raise ValueError(f"steps_per_execution must be a positive integer; got {steps_per_execution}.")
-        super().__init__(mode, builder, purpose)
-        self.stacker = BatchStacker(self.layout.num_cores, steps_per_execution)
+        super().__init__(mode, builder, steps_per_execution, purpose)
+        self.stacker = BatchStacker(self.layout.num_cores, self.steps)
         self._device_fn = device_fn
         # Whether batches with padding rows run a program of their own (ProgramForm.padding_rows): until a
         # traced step shows that none of its layers computes batch statistics.
