@@ -4,7 +4,13 @@ import os
 import subprocess
 import sys
 
-import keras_tpu  # noqa: F401  (must precede keras / jax use)
+# The tests' programs compile with LLVM at -O1 instead of XLA:CPU's default -O2: the suite spends most of its
+# time compiling small programs, and -O1 compiles them faster (the suite ran 12% faster here) with the same
+# results (LLVM reorders no float arithmetic at either level). Programs the tests start in other processes
+# (run_python: notebooks, pods, the main job) keep the default.
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=1".strip()
+
+import keras_tpu  # noqa: E402,F401  (must precede keras / jax use)
 import numpy as np
 import pytest
 

@@ -336,12 +336,8 @@ def _kill_savers(tmp_path, kills, parallel):
     return leftovers
 
 
-def test_saves_killed_at_random_moments_leave_loadable_files(tmp_path):
-    _kill_savers(tmp_path, kills=2, parallel=2)
-
-
 @pytest.mark.slow
-def test_fifteen_kills_at_random_moments(tmp_path):
+def test_saves_killed_at_fifteen_random_moments_leave_loadable_files(tmp_path):
     _kill_savers(tmp_path, kills=15, parallel=3)
 
 

@@ -409,11 +409,11 @@ def test_a_model_with_convolutions_runs_its_cores_in_a_loop():
                                   keras.layers.Dropout(0.3), keras.layers.Flatten(), keras.layers.Dense(1)])
         model.compile(keras.optimizers.SGD(0.01), "mse")
         tpu = on_tpu(model, "highest")
-        tpu.fit(x[:8], y[:8], batch_size=8, verbose=0)  # builds the steps
-        steps = installed_on(tpu).steps
+        installed = installed_on(tpu)
+        steps = installed.placement.steps_for(tpu)  # made before any program, which then runs them
         steps.looped_cores = loop
-        tpu.make_train_function(force=True)
         history = tpu.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
+        assert installed.steps is steps and steps.last_programs["train"].builder is steps
         trained.append((tpu.get_weights(), history["loss"], tpu.predict(x, batch_size=32, verbose=0)))
     (vectorised, vectorised_loss, vectorised_out), (loop_weights, loop_loss, loop_out) = trained
     assert_weights_close(loop_weights, vectorised, atol=1e-5)
