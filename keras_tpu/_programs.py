@@ -82,21 +82,31 @@ class ProgramForm(NamedTuple):
     statistics. Outside a program (a step traced on its own) the default,
     ``True``, is exact for any batch.
 
+    ``real_rows``: a prediction whose batches have fewer rows than the cores
+    (a text generator's one row at a time) runs, where its cores are merged,
+    the model on those rows only (``0``: on every row). The padding rows are
+    copies of the batch's first row, so the first row's outputs are theirs:
+    the results are the same, the work is the real rows'. The simulated TPU
+    still runs every core's row (its step time counts them).
+
     Example:
         >>> ProgramForm(MERGED, padding_rows=False).describe()
         ''
         >>> ProgramForm(LOOPED, padding_rows=False).describe()
         ', cores in a loop'
+        >>> ProgramForm(MERGED, padding_rows=False, real_rows=1).describe()
+        ', computing its 1 real row(s)'
     """
 
     layout: str = MERGED
     padding_rows: bool = True
+    real_rows: int = 0
 
     def describe(self):
         """What the compile log says of the form."""
         return ((", cores in a loop" if self.layout == LOOPED else "") +
                 (", for batches with padding rows (BatchNormalization over the real rows)" if self.padding_rows
-                 else ""))
+                 else "") + (f", computing its {self.real_rows} real row(s)" if self.real_rows else ""))
 
 
 class LayoutTrial:
@@ -425,8 +435,9 @@ class PaddedProgram(Program):
         stacked = self.stacker.stack(batches)
         returned = same_arrays(jax.tree.leaves(state), self._last_state)  # Keras hands the state back as it is
         args = self._place(state, stacked, returned)
-        form = ProgramForm(self._trial.layout() if self._trial is not None else self._cores_layout or MERGED,
-                           padding_rows=self._padding_rows_matter and stacked.has_padding_rows)
+        layout = self._trial.layout() if self._trial is not None else self._cores_layout or MERGED
+        form = ProgramForm(layout, padding_rows=self._padding_rows_matter and stacked.has_padding_rows,
+                           real_rows=self._rows_to_compute(state, stacked, layout))
         batch_leaves, batch_structure = jax.tree.flatten(stacked.data)
         batch_key = batch_structure, tuple((a.shape, a.dtype) for a in batch_leaves), form
         args, executable, compiled = self._prepared(args, form, batch_key, returned)
@@ -444,6 +455,24 @@ class PaddedProgram(Program):
             raise pod.WorkerLostError(
                 f"The TPU {self.purpose} step failed because a worker of the pod stopped ({error}). Restart all "
                 f"workers; training resumes from the last checkpoint.") from error
+
+    def _rows_to_compute(self, state, stacked, layout):
+        """The :attr:`ProgramForm.real_rows` of a call on ``stacked``: its real rows, for one batch of a
+        prediction whose loop has fewer rows than cores, on one device, with its cores merged; else 0 (every row).
+
+        Only such loops: a prediction at a larger batch runs its partial last batch on the program of its full
+        ones, rather than compile one more for a single call.
+        """
+        if (self.mode != "predict" or layout != MERGED or stacked.steps != 1 or pod.is_multi_worker()
+                or self.layout.cores_per_device != self.layout.num_cores
+                or self.stacker.global_batch != self.layout.num_cores):
+            return 0
+        real = int(stacked.real_rows[0])
+        if real >= self.stacker.global_batch:
+            return 0
+        x = keras.utils.unpack_x_y_sample_weight(stacked.data)[0]
+        one_step = jax.tree.map(lambda a: a[:, 0], x)
+        return real if self.builder.merges_cores_at_inference(*state, one_step) else 0
 
     def _time_layout(self, layout, result, started, steps, compiled):
         """Start or continue the :class:`LayoutTrial` of an inference program that may choose its cores' layout.

@@ -525,9 +525,18 @@ class ReplicatedSteps:
         def core_predict(x):
             return self.model.stateless_call(trainable, non_trainable, x, **kwargs)[0]
 
+        real_rows = self._tracing_form.real_rows
+
         def predict(x):  # one step: every core predicts its rows
             if self._cores_merged("predict", trainable, non_trainable, x):
-                return core_predict(x)
+                if not real_rows:
+                    return core_predict(x)
+                # Only the real rows: a padding row is a copy of the first row, and so are its outputs (see
+                # keras_tpu._programs.ProgramForm.real_rows).
+                rows = jax.tree.leaves(x)[0].shape[0]
+                outputs = core_predict(jax.tree.map(lambda a: a[:real_rows], x))
+                return jax.tree.map(lambda o: jnp.concatenate(
+                    [o, jnp.broadcast_to(o[:1], (rows - real_rows,) + o.shape[1:])]), outputs)
             looped = self._cores_looped(trainable, non_trainable, x)
             return layout.merge_cores(layout.map_cores(core_predict, in_axes=0, looped=looped)(layout.split_cores(x)))
 
@@ -591,6 +600,13 @@ class ReplicatedSteps:
             self.layout_choices.add(mode)
             return self._tracing_form.layout != LOOPED
         return True
+
+    def merges_cores_at_inference(self, trainable, non_trainable, x):
+        """Whether an inference program in the merged form runs a device's rows of one step's ``x`` as one batch
+        (see :meth:`_cores_merged`); known without compiling (one core's forward pass is traced abstractly, once
+        per input shape, as the program's compile then reuses it)."""
+        with self.tracing_form(ProgramForm()):
+            return self._cores_merged("predict", trainable, non_trainable, x)
 
     def padding_rows_may_matter(self, mode):
         """Whether ``mode``'s programs may take a form of their own for batches with padding rows (see

@@ -465,6 +465,47 @@ def test_each_fit_evaluate_and_predict_call_runs_at_its_own_batch_size(caplog):
     assert compiled_programs(caplog) == [("train", 64, 1), ("train", 16, 1), ("predict", 64, 1), ("predict", 8, 1)]
 
 
+def test_a_prediction_of_fewer_rows_than_cores_computes_only_its_rows(caplog):
+    """A text generator's loop (keras.io's character LSTM: ``predict`` of one row at a time) runs the model on its
+    real rows only, with the same results: a padding row would compute the first row's outputs again."""
+    def generator():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5, 7)), keras.layers.LSTM(16),
+                                  keras.layers.Dense(7, activation="softmax")])
+        model.compile("adam", "categorical_crossentropy")
+        return model
+
+    caplog.set_level(logging.INFO, logger="keras_tpu")
+    x = np.random.default_rng(0).random((8, 5, 7)).astype("float32")
+    reference = generator()
+    with keras_tpu.TPUStrategy(precision="highest").scope():
+        under_strategy = generator()
+    for tpu in (under_strategy, on_tpu(generator(), "highest")):
+        full = tpu.predict(x, verbose=0)  # eight rows: every core's row is real
+        for rows in (1, 1, 3):
+            got = tpu.predict(x[:rows], verbose=0)
+            np.testing.assert_allclose(got, full[:rows], rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(got, reference.predict(x[:rows], verbose=0), atol=1e-5)
+            np.testing.assert_allclose(tpu.predict_on_batch(x[:rows]), got, rtol=1e-6, atol=1e-7)
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiled the TPU predict")]
+    # Per front end: the 8-row program, then one program per count of real rows, each compiled once.
+    assert [("computing its" in line, "its 1 real" in line, "its 3 real" in line) for line in compiled] == [
+        (False, False, False), (True, True, False), (True, False, True)] * 2, compiled
+
+
+def test_a_prediction_of_fewer_rows_than_cores_keeps_every_row_where_the_cores_stay_apart(caplog):
+    """A grouped convolution keeps each core's rows apart (ReplicatedSteps._cores_merged): every row is computed."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6, 6, 4)), keras.layers.Conv2D(4, 3, groups=2), keras.layers.Flatten(),
+                              keras.layers.Dense(3)])
+    model.compile("sgd", "mse")
+    caplog.set_level(logging.INFO, logger="keras_tpu")
+    x = np.random.default_rng(0).standard_normal((3, 6, 6, 4)).astype("float32")
+    np.testing.assert_allclose(on_tpu(model, "highest").predict(x, verbose=0), model.predict(x, verbose=0),
+                               atol=1e-5)
+    assert "computing its" not in caplog.text and "Compiled the TPU predict program (global batch 8" in caplog.text
+
+
 def test_a_batch_that_does_not_split_over_8_cores_is_padded(caplog):
     caplog.set_level(logging.INFO, logger="keras_tpu")
     x, y = classification_data(250)
