@@ -653,6 +653,19 @@ def all_layers(model):
     return list(model._flatten_layers(include_self=False))
 
 
+def own_non_trainable_variables(layer):
+    """The non-trainable variables ``layer`` creates itself (``add_weight``), not those of the layers inside it:
+    Keras keeps them apart only in a private list.
+
+    Example:
+        >>> layer = keras.layers.BatchNormalization()
+        >>> layer.build((None, 3))
+        >>> [v.name for v in own_non_trainable_variables(layer)]
+        ['moving_mean', 'moving_variance']
+    """
+    return list(getattr(layer, "_non_trainable_variables", []))
+
+
 def batch_normalizations(model):
     """The ``BatchNormalization`` layers in ``model`` whose training statistics are Keras' own (``_moments`` not
     overridden): those :func:`batch_statistics_of_rows` computes over chosen rows."""

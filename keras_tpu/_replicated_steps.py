@@ -63,7 +63,7 @@ from keras_tpu import _hbm as hbm, _keras_private, _rewrite as rewrite
 from keras_tpu._logging import logger
 from keras_tpu._cores import CoreLayout
 from keras_tpu._custom_steps import (CustomSteps, couples_rows_in_training, custom_step_methods, random_in_training,
-                                     rows_interact)
+                                     rows_interact, runs_own_code)
 from keras_tpu._programs import LOOPED, PaddedProgram, ProgramForm
 from keras_tpu.mxu._numerics import canonical_precision
 from keras_tpu.mxu._routing import mxu_rule
@@ -175,6 +175,23 @@ def _is_seed_state(variable):
     return variable.path.endswith("seed_generator_state") and "int" in str(variable.dtype)
 
 
+def _summed_over_cores(variable):
+    """Whether the cores' changes of a non-trainable ``variable`` add up (``add_weight(aggregation="sum")``:
+    an accumulator, a count of rows), rather than average (a moving statistic, Keras' default)."""
+    return getattr(variable, "aggregation", "none") == "sum"
+
+
+def _own_state_updated(model, before, after):
+    """The non-trainable variables that layers of the user's own code create and whose value ``after`` a
+    forward pass (from a :class:`keras.StatelessScope`) is not the value ``before`` it, Keras' default
+    aggregation kept: their change is averaged over the cores. Example: keras.io's ``ComputeSum`` layer."""
+    own = {id(v) for layer in [model] + _keras_private.all_layers(model) if runs_own_code(layer)
+           for v in _keras_private.own_non_trainable_variables(layer)}
+    return [v for v, old in zip(model.non_trainable_variables, before)
+            if id(v) in own and not _is_seed_state(v) and not _summed_over_cores(v)
+            and after.get(id(v), old) is not old]
+
+
 def loss_rank(output_shape):
     """The rank of a loss's per-element values for an output: one value per row and position.
 
@@ -239,6 +256,7 @@ class ReplicatedSteps:
         self.accelerator_type = accelerator_type  # whose HBM a compiled program must fit (None: not checked)
         self._compiled_shapes = collections.defaultdict(set)
         self._warned_shapes = set()
+        self._warned_of_averaged_state = False
 
     #: More input shapes than this per mode gets a warning: each shape is a program compiled anew.
     MANY_SHAPES = 8
@@ -400,28 +418,49 @@ class ReplicatedSteps:
                jax.tree.structure((x, y)), tuple((a.shape, a.dtype) for a in jax.tree.leaves((x, y))))
         if key in self._padding_rows_count:
             return self._padding_rows_count[key] + (False,)
-        added = []
+        added, averaged = [], []
 
         def forward(trainable, non_trainable, x):
             # Keras' JAX trainer takes the values out of the variables during fit: map them to the state's.
             mapping = list(zip(model.trainable_variables, trainable)) + list(zip(model.non_trainable_variables,
                                                                                  non_trainable))
             with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+                before = [scope.get_current_value(v) for v in model.non_trainable_variables]
                 outputs = model(x, training=True)
             added.append(len(scope.losses))
+            averaged.extend(_own_state_updated(model, before, scope.state_mapping))
             return outputs
 
         y_pred = jax.eval_shape(forward, _abstract(list(state[0])), _abstract(list(state[1])), x)
         targets = None if y is None else _keras_private.targets_for_loss(model, y, y_pred)  # (the metrics' too)
         whole_batch = [] if y is None else _keras_private.losses_not_per_row(model, targets, y_pred)
         unweighted = [] if y is None else _keras_private.metrics_ignoring_sample_weight(model, targets, y_pred)
+        self._warn_of_averaged_state(averaged)
+        summed = [v.path for v in model.non_trainable_variables if _summed_over_cores(v)]
         why = ("adds losses in call() (add_loss or an activity regularizer)" if added[0] else
+               f"sums state over its rows ({', '.join(summed)}: aggregation='sum'), which padding rows would enter"
+               if summed else
                f"has a loss that gives no value per row ({', '.join(whole_batch)}: the batch's mean, say)"
                if whole_batch else
                f"has a metric that ignores sample_weight ({', '.join(unweighted)}), where the TPU weighs its "
                f"padding rows out" if unweighted else "")
         self._padding_rows_count[key] = why, bool(whole_batch)
         return self._padding_rows_count[key] + (False,)
+
+    def _warn_of_averaged_state(self, variables):
+        """Say, once per model, how the cores combine the state that layers of the user's own code update in
+        ``call`` with Keras' default aggregation (see :func:`_own_state_updated`)."""
+        if not variables or self._warned_of_averaged_state:
+            return
+        self._warned_of_averaged_state = True
+        logger.warning(
+            "%s updates non-trainable state in call() (%s). On the TPU's cores keras-tpu averages each core's change "
+            "of it, weighted by the core's real rows (an integer takes the first core's value), as TensorFlow "
+            "averages a batch-normalization statistic: a sum over the batch's rows (an accumulator, a count of "
+            "rows) comes out as the cores' mean, about one core's part of it. Create a sum with "
+            "add_weight(..., aggregation=\"sum\"): the cores' changes then add up, as on the CPU. evaluate() and "
+            "predict() do not change such state.",
+            self.model.name, ", ".join(v.path for v in variables))
 
     def predict_function(self, steps_per_execution=1, purpose="predict", graph_per_core=False):
         """``(state, iterator) -> (outputs, state)``, for ``model.predict_function``. ``purpose`` names the
@@ -860,30 +899,41 @@ class ReplicatedSteps:
         """Each of this device's cores' share of the step's real rows, ``(cores_per_device,)``."""
         return jnp.sum(self.layout.split_cores(mask), axis=1) / jnp.maximum(real_rows, 1).astype(jnp.float32)
 
-    @staticmethod
-    def _add_core_share(before, combined, after, share):
+    def _state_summed(self, count):
+        """For each of the ``count`` non-trainable values of a step's state, whether the cores' changes add up
+        (:func:`_summed_over_cores`); none for a state that is not the model's variables'."""
+        variables = self.model.non_trainable_variables
+        return [_summed_over_cores(v) for v in variables] if len(variables) == count else [False] * count
+
+    def _add_core_share(self, before, combined, after, share):
         """One core's part of :meth:`_combine_non_trainable`, for a loop over the cores: ``combined`` (starting
-        as ``before``) plus the core's share of its change of float state; other state is the same on every core.
+        as ``before``) plus the core's change of state summed over the cores, or the core's share of its change
+        of float state; other state is the same on every core.
 
         Carried through the loop, the moving statistics need no per-core copies stacked over the cores and
         reduced after it (two kernels per statistic, each compiled: ResNet-20 has 42).
         """
-        return [c + share.astype(new.dtype) * (new - old) if jnp.issubdtype(new.dtype, jnp.floating) else new
-                for old, c, new in zip(before, combined, after)]
+        return [c + (new - old) if summed else
+                c + share.astype(new.dtype) * (new - old) if jnp.issubdtype(new.dtype, jnp.floating) else new
+                for old, c, new, summed in zip(before, combined, after, self._state_summed(len(before)))]
 
     def _device_combined(self, before, combined):
-        """The float state combined on this device's cores (:meth:`_add_core_share`) summed over the devices."""
+        """The state combined on this device's cores (:meth:`_add_core_share`) summed over the devices."""
         if self.layout.num_devices == 1:
             return [c.astype(old.dtype) for old, c in zip(before, combined)]
-        return [(old + self.layout.device_sum(c - old)).astype(old.dtype) if jnp.issubdtype(c.dtype, jnp.floating)
-                else c for old, c in zip(before, combined)]
+        return [(old + self.layout.device_sum(c - old)).astype(old.dtype)
+                if summed or jnp.issubdtype(c.dtype, jnp.floating) else c
+                for old, c, summed in zip(before, combined, self._state_summed(len(before)))]
 
     def _combine_non_trainable(self, before, per_core_after, core_share):
-        """Average float state (moving statistics) over the cores, weighted by each core's share of the
-        real rows; other state (seeds, counters) is the same on every core."""
+        """Add up the cores' changes of state created with ``aggregation="sum"`` (an accumulator, a count of
+        rows); average other float state (moving statistics) over the cores, weighted by each core's share of
+        the real rows, as TensorFlow does on a TPU; other state (seeds, counters) is the same on every core."""
         combined = []
-        for old, new in zip(before, per_core_after):
-            if jnp.issubdtype(new.dtype, jnp.floating):
+        for old, new, summed in zip(before, per_core_after, self._state_summed(len(before))):
+            if summed:
+                combined.append((old + self.layout.device_sum(jnp.sum(new - old, axis=0))).astype(old.dtype))
+            elif jnp.issubdtype(new.dtype, jnp.floating):
                 weight = core_share.astype(new.dtype).reshape((-1,) + (1,) * old.ndim)
                 delta = self.layout.device_sum(jnp.sum(weight * (new - old), axis=0))
                 combined.append((old + delta).astype(old.dtype))

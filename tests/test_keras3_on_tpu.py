@@ -110,6 +110,74 @@ def test_a_loss_added_per_row_counts_every_core_s_rows(front_end, caplog, monkey
     assert all(text in log for text in expected)
 
 
+class RowStatistics(keras.layers.Layer):
+    """State a layer of the user's own code updates in call(): keras.io's ``ComputeSum`` ("Making new layers and
+    models via subclassing") and a count of the rows seen, both created with ``aggregation``."""
+
+    def __init__(self, aggregation, **kwargs):
+        super().__init__(**kwargs)
+        self.aggregation = aggregation
+
+    def build(self, shape):
+        self.total = self.add_weight(shape=(shape[-1],), initializer="zeros", trainable=False,
+                                     aggregation=self.aggregation, name="total")
+        self.rows = self.add_weight(shape=(), initializer="zeros", dtype="int32", trainable=False,
+                                    aggregation=self.aggregation, name="rows")
+
+    def call(self, x):
+        self.total.assign_add(keras.ops.sum(x, axis=0))
+        self.rows.assign_add(keras.ops.shape(x)[0])
+        return x
+
+
+def row_statistics_model(aggregation, scope=None, *hidden):
+    keras.utils.set_random_seed(0)
+    with scope or contextlib.nullcontext():
+        model = keras.Sequential([keras.Input((6,)), RowStatistics(aggregation, name="statistics"), *hidden,
+                                  keras.layers.Dense(2)])
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+    return model
+
+
+@pytest.mark.parametrize("front_end", ["TPUStrategy", "keras_to_tpu_model"])
+def test_state_summed_in_call_adds_up_over_the_cores_as_on_the_cpu(front_end, data, caplog):
+    # add_weight(aggregation="sum"): each core's change adds up. Its steps run without padding rows, which would
+    # enter the sum: the partial batch of 4 rows on 4 cores. fits_like_the_cpu compares the weights, these included.
+    x, y = data
+    log = fits_like_the_cpu(lambda scope: row_statistics_model("sum", scope), front_end, x, y, caplog)
+    assert "statistics/total, " in log and "statistics/rows: aggregation='sum'), which padding rows would enter" in log
+    assert "updates non-trainable state" not in log
+
+
+def test_state_updated_in_call_with_keras_default_aggregation_is_averaged_and_said(caplog):
+    x = np.random.default_rng(0).random((64, 6)).astype("float32")
+    y = np.zeros((64, 2), "float32")
+    cpu = row_statistics_model("none")
+    cpu.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    model = row_statistics_model("none")
+    tpu = keras_tpu.keras_to_tpu_model(model)
+    with caplog.at_level(logging.INFO, logger="keras_tpu"):
+        tpu.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+        tpu.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]   # once per model
+    message = warning.getMessage()
+    assert message.startswith("sequential") and "statistics/total, " in message and "statistics/rows)" in message
+    assert 'add_weight(..., aggregation="sum")' in message
+    tpu.sync_to_cpu()
+    layer = model.get_layer("statistics")
+    # As TensorFlow averages a batch-normalization statistic: the cores' mean change of each float, weighted by
+    # their rows (here 4 each), and the first core's count of rows (4 per step, 4 steps).
+    np.testing.assert_allclose(layer.total.numpy(), 2 * cpu.get_layer("statistics").total.numpy() / 8, rtol=1e-5)
+    assert int(layer.rows.numpy()) == 16
+    # Keras' own layers' state (batch normalization's moving statistics) is not the user's: nothing to say.
+    caplog.clear()
+    plain = keras.Sequential([keras.Input((6,)), keras.layers.BatchNormalization(), keras.layers.Dense(2)])
+    plain.compile("sgd", "mse")
+    with caplog.at_level(logging.INFO, logger="keras_tpu"):
+        keras_tpu.keras_to_tpu_model(plain).fit(x, y, batch_size=32, verbose=0)
+    assert "updates non-trainable state" not in caplog.text
+
+
 def test_models_without_losses_in_call_keep_the_padded_program(data, caplog):
     x, y = data
     keras.utils.set_random_seed(0)
