@@ -240,6 +240,48 @@ def rows_interact(model, trainable, non_trainable, x):
                    for a, b in zip(tree.flatten(with_other), tree.flatten(with_padding)))
 
 
+def state_sums_rows(model, trainable, non_trainable, x, variables):
+    """Which of ``variables`` (non-trainable variables of ``model`` that its training forward pass changes) change
+    by a sum over the batch's rows, found by running that pass on the host on the first two rows of ``x`` (a
+    batch of real inputs) and on the same rows twice: a sum's change doubles (keras.io's ``ComputeSum``, a
+    count of the rows seen), a statistic's stays (a moving mean or variance). A change that does neither (a
+    random layer draws other numbers for more rows), or a model that fails to run on those rows, counts as
+    not a sum. Returns a list of booleans.
+
+    Example:
+        >>> class Count(keras.layers.Layer):
+        ...     def build(self, shape):
+        ...         self.seen = self.add_weight(shape=(), initializer="zeros", trainable=False)
+        ...     def call(self, v):
+        ...         self.seen.assign_add(keras.ops.sum(v))
+        ...         return v
+        >>> model = keras.Sequential([keras.Input((3,)), Count()])
+        >>> state_sums_rows(model, [], [np.float32(0)], np.ones((4, 3), "float32"), model.non_trainable_variables)
+        [True]
+    """
+    def forward(trainable, non_trainable, x):
+        mapping = list(zip(model.trainable_variables, trainable)) + list(zip(model.non_trainable_variables,
+                                                                             non_trainable))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            model(x, training=True)
+        return [scope.get_current_value(v) for v in variables]
+
+    rows = tree.map_structure(lambda a: np.asarray(a)[:2], x)
+    twice = tree.map_structure(lambda a: np.concatenate([a, a]), rows)
+    position = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+    before = [np.asarray(non_trainable[position[id(v)]], np.float64) for v in variables]
+    try:
+        changes = [[np.asarray(after, np.float64) - old for after, old in zip(
+            jax.jit(forward).trace(trainable, non_trainable, batch).lower().compile(_QUICK_COMPILE)(
+                trainable, non_trainable, batch), before)] for batch in (rows, twice)]
+    except Exception as error:  # (a model written for one batch size, say: the probe then says nothing)
+        logger.debug("%s did not run on two rows (%s: %s); its state taken as averaged.", model.name,
+                     type(error).__name__, error)
+        return [False] * len(variables)
+    return [bool(np.any(once != 0) and np.allclose(doubled, 2 * once, rtol=1e-4, atol=0))
+            for once, doubled in zip(*changes)]
+
+
 def cores_for_rows(rows, num_cores):
     """The most cores (at most ``num_cores``) over which ``rows`` split evenly.
 
@@ -372,13 +414,17 @@ class CustomSteps:
                 trainable, non_trainable = state
 
                 def core_predict(data, core_id):
-                    # Keras 3's JAX predict_step returns (outputs, non-trainable variables); prediction keeps the
-                    # state it was given, as Keras' does.
-                    outputs, _ = model.predict_step((trainable, non_trainable), data)
-                    return outputs
+                    # Keras 3's JAX predict_step returns (outputs, non-trainable variables), and Keras' predict
+                    # keeps the state it returns (a layer's own sum of the rows it saw, say).
+                    seeded = builder._offset_seeds(non_trainable, core_id, +1)
+                    outputs, new_non_trainable = model.predict_step((trainable, seeded), data)
+                    return outputs, builder._offset_seeds(list(new_non_trainable), core_id, -1)
 
-                outputs = jax.vmap(core_predict, in_axes=(0, 0), axis_name=CORE_AXIS)(split(data), core_ids)
-                return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), outputs), state
+                outputs, new_non_trainable = jax.vmap(core_predict, in_axes=(0, 0), axis_name=CORE_AXIS)(
+                    split(data), core_ids)
+                share = jnp.full((cores,), 1.0 / cores, jnp.float32)
+                new_state = (trainable, builder._combine_non_trainable(non_trainable, new_non_trainable, share))
+                return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), outputs), new_state
 
             non_trainable = state[1]
             metrics_values = state[-1]
@@ -540,4 +586,4 @@ class UnpaddedProgram(Program):
 
 __all__ = ["CustomSteps", "cores_for_rows", "couples_rows_in_training", "custom_step_methods",
            "gradients_summed_over_cores", "random_in_training", "rows_interact", "runs_on_the_whole_batch",
-           "runs_own_code"]
+           "runs_own_code", "state_sums_rows"]

@@ -63,7 +63,7 @@ from keras_tpu import _hbm as hbm, _keras_private, _rewrite as rewrite
 from keras_tpu._logging import logger
 from keras_tpu._cores import CoreLayout
 from keras_tpu._custom_steps import (CustomSteps, couples_rows_in_training, custom_step_methods, random_in_training,
-                                     rows_interact, runs_own_code)
+                                     rows_interact, runs_own_code, state_sums_rows)
 from keras_tpu._programs import LOOPED, PaddedProgram, ProgramForm
 from keras_tpu.mxu._numerics import canonical_precision
 from keras_tpu.mxu._routing import mxu_rule
@@ -175,20 +175,14 @@ def _is_seed_state(variable):
     return variable.path.endswith("seed_generator_state") and "int" in str(variable.dtype)
 
 
-def _summed_over_cores(variable):
-    """Whether the cores' changes of a non-trainable ``variable`` add up (``add_weight(aggregation="sum")``:
-    an accumulator, a count of rows), rather than average (a moving statistic, Keras' default)."""
-    return getattr(variable, "aggregation", "none") == "sum"
-
-
 def _own_state_updated(model, before, after):
-    """The non-trainable variables that layers of the user's own code create and whose value ``after`` a
-    forward pass (from a :class:`keras.StatelessScope`) is not the value ``before`` it, Keras' default
-    aggregation kept: their change is averaged over the cores. Example: keras.io's ``ComputeSum`` layer."""
+    """The non-trainable variables that layers of the user's own code create with Keras' default aggregation
+    and whose value ``after`` a forward pass (from a :class:`keras.StatelessScope`) is not the value ``before``
+    it. Example: keras.io's ``ComputeSum`` layer."""
     own = {id(v) for layer in [model] + _keras_private.all_layers(model) if runs_own_code(layer)
            for v in _keras_private.own_non_trainable_variables(layer)}
     return [v for v, old in zip(model.non_trainable_variables, before)
-            if id(v) in own and not _is_seed_state(v) and not _summed_over_cores(v)
+            if id(v) in own and not _is_seed_state(v) and getattr(v, "aggregation", "none") in ("none", None)
             and after.get(id(v), old) is not old]
 
 
@@ -256,7 +250,9 @@ class ReplicatedSteps:
         self.accelerator_type = accelerator_type  # whose HBM a compiled program must fit (None: not checked)
         self._compiled_shapes = collections.defaultdict(set)
         self._warned_shapes = set()
-        self._warned_of_averaged_state = False
+        # Non-trainable variables of the user's layers whose change is a sum over the rows, and those checked
+        # (see _probe_own_state).
+        self._state_sums_rows, self._probed_state = set(), set()
 
     #: More input shapes than this per mode gets a warning: each shape is a program compiled anew.
     MANY_SHAPES = 8
@@ -406,9 +402,9 @@ class ReplicatedSteps:
                 self.model, list(state[0]), list(state[1]), x)
         if probe_rows and self._rows_interact[shapes]:
             return "makes its rows interact (a row's output depends on the batch's other rows)", False, True
+        model, real_x = self.model, x
         if mode == "predict":
-            return "", False, False
-        model = self.model
+            return self._why_summed_state(), False, False
         # One core's rows, as each core runs them (a graph with a static per-core batch, TPUEstimator's, takes
         # no other).
         core_rows = -(-keras.tree.flatten(batch)[0].shape[0] // self.layout.num_cores)
@@ -435,32 +431,46 @@ class ReplicatedSteps:
         targets = None if y is None else _keras_private.targets_for_loss(model, y, y_pred)  # (the metrics' too)
         whole_batch = [] if y is None else _keras_private.losses_not_per_row(model, targets, y_pred)
         unweighted = [] if y is None else _keras_private.metrics_ignoring_sample_weight(model, targets, y_pred)
-        self._warn_of_averaged_state(averaged)
-        summed = [v.path for v in model.non_trainable_variables if _summed_over_cores(v)]
+        self._probe_own_state([v for v in averaged if id(v) not in self._probed_state], state, real_x)
         why = ("adds losses in call() (add_loss or an activity regularizer)" if added[0] else
-               f"sums state over its rows ({', '.join(summed)}: aggregation='sum'), which padding rows would enter"
-               if summed else
+               self._why_summed_state() or (
                f"has a loss that gives no value per row ({', '.join(whole_batch)}: the batch's mean, say)"
                if whole_batch else
                f"has a metric that ignores sample_weight ({', '.join(unweighted)}), where the TPU weighs its "
-               f"padding rows out" if unweighted else "")
+               f"padding rows out" if unweighted else ""))
         self._padding_rows_count[key] = why, bool(whole_batch)
         return self._padding_rows_count[key] + (False,)
 
-    def _warn_of_averaged_state(self, variables):
-        """Say, once per model, how the cores combine the state that layers of the user's own code update in
-        ``call`` with Keras' default aggregation (see :func:`_own_state_updated`)."""
-        if not variables or self._warned_of_averaged_state:
+    def _summed_over_cores(self, variable):
+        """Whether the cores' changes of a non-trainable ``variable`` add up, rather than average (a moving
+        statistic): created with ``add_weight(aggregation="sum")``, or a sum over the rows by
+        :func:`keras_tpu._custom_steps.state_sums_rows` (keras.io's ``ComputeSum``, a count of the rows seen)."""
+        return getattr(variable, "aggregation", "none") == "sum" or id(variable) in self._state_sums_rows
+
+    def _why_summed_state(self):
+        """Why padding rows would count in the model's state (see :meth:`_summed_over_cores`), or ``""``."""
+        summed = [v.path for v in self.model.non_trainable_variables if self._summed_over_cores(v)]
+        return f"sums state over its rows ({', '.join(summed)}), which padding rows would enter" if summed else ""
+
+    def _probe_own_state(self, variables, state, x):
+        """Find which of ``variables`` (state that layers of the user's own code change in ``call`` with Keras'
+        default aggregation) are sums over the rows (:func:`keras_tpu._custom_steps.state_sums_rows`); say, once
+        per model, how the cores combine the others."""
+        if not variables:
             return
-        self._warned_of_averaged_state = True
-        logger.warning(
-            "%s updates non-trainable state in call() (%s). On the TPU's cores keras-tpu averages each core's change "
-            "of it, weighted by the core's real rows (an integer takes the first core's value), as TensorFlow "
-            "averages a batch-normalization statistic: a sum over the batch's rows (an accumulator, a count of "
-            "rows) comes out as the cores' mean, about one core's part of it. Create a sum with "
-            "add_weight(..., aggregation=\"sum\"): the cores' changes then add up, as on the CPU. evaluate() and "
-            "predict() do not change such state.",
-            self.model.name, ", ".join(v.path for v in variables))
+        self._probed_state.update(id(v) for v in variables)
+        sums = state_sums_rows(self.model, list(state[0]), list(state[1]), x, variables) \
+            if self.layout.num_devices == 1 else [False] * len(variables)
+        self._state_sums_rows.update(id(v) for v, summed in zip(variables, sums) if summed)
+        averaged = [v.path for v, summed in zip(variables, sums) if not summed]
+        if averaged:
+            logger.warning(
+                "%s updates non-trainable state in call() (%s) by other than a sum over the rows. On the TPU's cores "
+                "keras-tpu averages each core's change of it, weighted by the core's real rows (an integer takes "
+                "the first core's value), as TensorFlow averages a batch-normalization statistic. If it is a sum "
+                "(a random layer before it hides that), create it with add_weight(..., aggregation=\"sum\"): the "
+                "cores' changes then add up, as on the CPU. evaluate() and predict() do not change such state.",
+                self.model.name, ", ".join(averaged))
 
     def predict_function(self, steps_per_execution=1, purpose="predict", graph_per_core=False):
         """``(state, iterator) -> (outputs, state)``, for ``model.predict_function``. ``purpose`` names the
@@ -901,9 +911,9 @@ class ReplicatedSteps:
 
     def _state_summed(self, count):
         """For each of the ``count`` non-trainable values of a step's state, whether the cores' changes add up
-        (:func:`_summed_over_cores`); none for a state that is not the model's variables'."""
+        (:meth:`_summed_over_cores`); none for a state that is not the model's variables'."""
         variables = self.model.non_trainable_variables
-        return [_summed_over_cores(v) for v in variables] if len(variables) == count else [False] * count
+        return [self._summed_over_cores(v) for v in variables] if len(variables) == count else [False] * count
 
     def _add_core_share(self, before, combined, after, share):
         """One core's part of :meth:`_combine_non_trainable`, for a loop over the cores: ``combined`` (starting

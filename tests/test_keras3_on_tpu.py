@@ -139,43 +139,65 @@ def row_statistics_model(aggregation, scope=None, *hidden):
     return model
 
 
+@pytest.mark.parametrize("aggregation", ["none", "sum"])
 @pytest.mark.parametrize("front_end", ["TPUStrategy", "keras_to_tpu_model"])
-def test_state_summed_in_call_adds_up_over_the_cores_as_on_the_cpu(front_end, data, caplog):
-    # add_weight(aggregation="sum"): each core's change adds up. Its steps run without padding rows, which would
-    # enter the sum: the partial batch of 4 rows on 4 cores. fits_like_the_cpu compares the weights, these included.
+def test_state_summed_in_call_adds_up_over_the_cores_as_on_the_cpu(front_end, aggregation, data, caplog):
+    # A sum over the rows, created with aggregation="sum" or found so by running two rows and the same rows twice
+    # (Keras' default aggregation): each core's change adds up. Its steps run without padding rows, which would
+    # enter the sum: the partial batch of 4 rows on 4 cores. fits_like_the_cpu compares the weights, these
+    # included, after fit(), and the evaluation, which changes them as Keras' does.
     x, y = data
-    log = fits_like_the_cpu(lambda scope: row_statistics_model("sum", scope), front_end, x, y, caplog)
-    assert "statistics/total, " in log and "statistics/rows: aggregation='sum'), which padding rows would enter" in log
+    log = fits_like_the_cpu(lambda scope: row_statistics_model(aggregation, scope), front_end, x, y, caplog)
+    assert "statistics/total, " in log and "statistics/rows), which padding rows would enter" in log
     assert "updates non-trainable state" not in log
+    cpu = row_statistics_model(aggregation)
+    cpu.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    cpu.evaluate(x, y, batch_size=32, verbose=0)
+    want = [w.copy() for w in cpu.get_layer("statistics").get_weights()]
+    assert want[1] == 300   # two epochs and an evaluation of 100 rows
+    if front_end == "TPUStrategy":
+        tpu = row_statistics_model(aggregation, keras_tpu.TPUStrategy(precision="highest").scope())
+    else:
+        tpu = keras_tpu.keras_to_tpu_model(row_statistics_model(aggregation))
+    tpu.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    tpu.evaluate(x, y, batch_size=32, verbose=0)
+    tpu.predict(x, batch_size=32, verbose=0)   # prediction changes them too, as Keras' does
+    cpu.predict(x, batch_size=32, verbose=0)
+    weights = tpu.get_weights()
+    np.testing.assert_allclose(weights[0], cpu.get_layer("statistics").get_weights()[0], rtol=1e-5)
+    assert weights[1] == 400
 
 
-def test_state_updated_in_call_with_keras_default_aggregation_is_averaged_and_said(caplog):
+def test_state_updated_in_call_by_other_than_a_sum_is_averaged_and_said(caplog):
+    # Dropout before the layer: its sum of the rows is of other numbers for two rows than for the same rows twice,
+    # so the probe cannot tell a sum; the count of rows it can.
     x = np.random.default_rng(0).random((64, 6)).astype("float32")
     y = np.zeros((64, 2), "float32")
-    cpu = row_statistics_model("none")
-    cpu.fit(x, y, batch_size=32, shuffle=False, verbose=0)
-    model = row_statistics_model("none")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dropout(0.5), RowStatistics("none", name="statistics"),
+                              keras.layers.Dense(2)])
+    model.compile(keras.optimizers.SGD(0.1), "mse")
     tpu = keras_tpu.keras_to_tpu_model(model)
     with caplog.at_level(logging.INFO, logger="keras_tpu"):
         tpu.fit(x, y, batch_size=32, shuffle=False, verbose=0)
         tpu.fit(x, y, batch_size=32, shuffle=False, verbose=0)
-    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]   # once per model
-    message = warning.getMessage()
-    assert message.startswith("sequential") and "statistics/total, " in message and "statistics/rows)" in message
-    assert 'add_weight(..., aggregation="sum")' in message
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]   # once per model
+    assert warning.startswith("sequential") and "statistics/total) by other than a sum" in warning
+    assert 'add_weight(..., aggregation="sum")' in warning
+    assert "statistics/rows), which padding rows would enter" in caplog.text
     tpu.sync_to_cpu()
     layer = model.get_layer("statistics")
-    # As TensorFlow averages a batch-normalization statistic: the cores' mean change of each float, weighted by
-    # their rows (here 4 each), and the first core's count of rows (4 per step, 4 steps).
-    np.testing.assert_allclose(layer.total.numpy(), 2 * cpu.get_layer("statistics").total.numpy() / 8, rtol=1e-5)
-    assert int(layer.rows.numpy()) == 16
+    assert int(layer.rows.numpy()) == 128   # a sum: every core's rows
+    # The cores' mean change, as TensorFlow averages a batch-normalization statistic: about one core's part of the
+    # (dropped-out, rescaled) rows' sum, 4 rows of 6 features per step, each about 0.5 on average.
+    assert 0.3 * 4 * 4 < np.mean(layer.total.numpy()) < 0.7 * 4 * 4
     # Keras' own layers' state (batch normalization's moving statistics) is not the user's: nothing to say.
     caplog.clear()
     plain = keras.Sequential([keras.Input((6,)), keras.layers.BatchNormalization(), keras.layers.Dense(2)])
     plain.compile("sgd", "mse")
     with caplog.at_level(logging.INFO, logger="keras_tpu"):
         keras_tpu.keras_to_tpu_model(plain).fit(x, y, batch_size=32, verbose=0)
-    assert "updates non-trainable state" not in caplog.text
+    assert "non-trainable state" not in caplog.text and "sums state" not in caplog.text
 
 
 def test_models_without_losses_in_call_keep_the_padded_program(data, caplog):
