@@ -240,13 +240,13 @@ def rows_interact(model, trainable, non_trainable, x):
                    for a, b in zip(tree.flatten(with_other), tree.flatten(with_padding)))
 
 
-def state_sums_rows(model, trainable, non_trainable, x, variables):
-    """Which of ``variables`` (non-trainable variables of ``model`` that its training forward pass changes) change
-    by a sum over the batch's rows, found by running that pass on the host on the first two rows of ``x`` (a
-    batch of real inputs) and on the same rows twice: a sum's change doubles (keras.io's ``ComputeSum``, a
-    count of the rows seen), a statistic's stays (a moving mean or variance). A change that does neither (a
-    random layer draws other numbers for more rows), or a model that fails to run on those rows, counts as
-    not a sum. Returns a list of booleans.
+def state_change_kinds(model, trainable, non_trainable, x, variables):
+    """How each of ``variables`` (non-trainable variables of ``model`` that its training forward pass changes)
+    changes with the batch's rows, found by running that pass on the host on the first two rows of ``x`` (a
+    batch of real inputs) and on the same rows twice: ``"sum"`` where the change doubles (keras.io's
+    ``ComputeSum``, a count of the rows seen), ``"statistic"`` where it stays (a moving mean or variance),
+    ``None`` where it does neither (a random layer draws other numbers for more rows) or the model fails to
+    run on those rows.
 
     Example:
         >>> class Count(keras.layers.Layer):
@@ -256,8 +256,8 @@ def state_sums_rows(model, trainable, non_trainable, x, variables):
         ...         self.seen.assign_add(keras.ops.sum(v))
         ...         return v
         >>> model = keras.Sequential([keras.Input((3,)), Count()])
-        >>> state_sums_rows(model, [], [np.float32(0)], np.ones((4, 3), "float32"), model.non_trainable_variables)
-        [True]
+        >>> state_change_kinds(model, [], [np.float32(0)], np.ones((4, 3), "float32"), model.non_trainable_variables)
+        ['sum']
     """
     def forward(trainable, non_trainable, x):
         mapping = list(zip(model.trainable_variables, trainable)) + list(zip(model.non_trainable_variables,
@@ -277,9 +277,14 @@ def state_sums_rows(model, trainable, non_trainable, x, variables):
     except Exception as error:  # (a model written for one batch size, say: the probe then says nothing)
         logger.debug("%s did not run on two rows (%s: %s); its state taken as averaged.", model.name,
                      type(error).__name__, error)
-        return [False] * len(variables)
-    return [bool(np.any(once != 0) and np.allclose(doubled, 2 * once, rtol=1e-4, atol=0))
-            for once, doubled in zip(*changes)]
+        return [None] * len(variables)
+
+    def kind(once, doubled):
+        if np.allclose(doubled, once, rtol=1e-4, atol=0):
+            return "statistic"
+        return "sum" if np.allclose(doubled, 2 * once, rtol=1e-4, atol=0) else None
+
+    return [kind(once, doubled) for once, doubled in zip(*changes)]
 
 
 def cores_for_rows(rows, num_cores):
@@ -586,4 +591,4 @@ class UnpaddedProgram(Program):
 
 __all__ = ["CustomSteps", "cores_for_rows", "couples_rows_in_training", "custom_step_methods",
            "gradients_summed_over_cores", "random_in_training", "rows_interact", "runs_on_the_whole_batch",
-           "runs_own_code", "state_sums_rows"]
+           "runs_own_code", "state_change_kinds"]

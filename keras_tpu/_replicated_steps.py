@@ -63,7 +63,7 @@ from keras_tpu import _hbm as hbm, _keras_private, _rewrite as rewrite
 from keras_tpu._logging import logger
 from keras_tpu._cores import CoreLayout
 from keras_tpu._custom_steps import (CustomSteps, couples_rows_in_training, custom_step_methods, random_in_training,
-                                     rows_interact, runs_own_code, state_sums_rows)
+                                     rows_interact, runs_own_code, state_change_kinds)
 from keras_tpu._programs import LOOPED, PaddedProgram, ProgramForm
 from keras_tpu.mxu._numerics import canonical_precision
 from keras_tpu.mxu._routing import mxu_rule
@@ -444,7 +444,7 @@ class ReplicatedSteps:
     def _summed_over_cores(self, variable):
         """Whether the cores' changes of a non-trainable ``variable`` add up, rather than average (a moving
         statistic): created with ``add_weight(aggregation="sum")``, or a sum over the rows by
-        :func:`keras_tpu._custom_steps.state_sums_rows` (keras.io's ``ComputeSum``, a count of the rows seen)."""
+        :func:`keras_tpu._custom_steps.state_change_kinds` (keras.io's ``ComputeSum``, a count of the rows seen)."""
         return getattr(variable, "aggregation", "none") == "sum" or id(variable) in self._state_sums_rows
 
     def _why_summed_state(self):
@@ -454,23 +454,23 @@ class ReplicatedSteps:
 
     def _probe_own_state(self, variables, state, x):
         """Find which of ``variables`` (state that layers of the user's own code change in ``call`` with Keras'
-        default aggregation) are sums over the rows (:func:`keras_tpu._custom_steps.state_sums_rows`); say, once
-        per model, how the cores combine the others."""
+        default aggregation) are sums over the rows (:func:`keras_tpu._custom_steps.state_change_kinds`); say,
+        once per model, how the cores combine those that are neither a sum nor a statistic."""
         if not variables:
             return
         self._probed_state.update(id(v) for v in variables)
-        sums = state_sums_rows(self.model, list(state[0]), list(state[1]), x, variables) \
-            if self.layout.num_devices == 1 else [False] * len(variables)
-        self._state_sums_rows.update(id(v) for v, summed in zip(variables, sums) if summed)
-        averaged = [v.path for v, summed in zip(variables, sums) if not summed]
-        if averaged:
+        kinds = state_change_kinds(self.model, list(state[0]), list(state[1]), x, variables) \
+            if self.layout.num_devices == 1 else [None] * len(variables)
+        self._state_sums_rows.update(id(v) for v, kind in zip(variables, kinds) if kind == "sum")
+        unknown = [v.path for v, kind in zip(variables, kinds) if kind is None]
+        if unknown:
             logger.warning(
-                "%s updates non-trainable state in call() (%s) by other than a sum over the rows. On the TPU's cores "
-                "keras-tpu averages each core's change of it, weighted by the core's real rows (an integer takes "
-                "the first core's value), as TensorFlow averages a batch-normalization statistic. If it is a sum "
-                "(a random layer before it hides that), create it with add_weight(..., aggregation=\"sum\"): the "
-                "cores' changes then add up, as on the CPU. evaluate() and predict() do not change such state.",
-                self.model.name, ", ".join(averaged))
+                "%s updates non-trainable state in call() (%s) by other than a sum over the rows or a statistic of "
+                "them. On the TPU's cores keras-tpu averages each core's change of it, weighted by the core's real "
+                "rows (an integer takes the first core's value), as TensorFlow averages a batch-normalization "
+                "statistic. If it is a sum (a random layer before it hides that), create it with "
+                "add_weight(..., aggregation=\"sum\"): the cores' changes then add up, as on the CPU. evaluate() "
+                "and predict() do not change such state.", self.model.name, ", ".join(unknown))
 
     def predict_function(self, steps_per_execution=1, purpose="predict", graph_per_core=False):
         """``(state, iterator) -> (outputs, state)``, for ``model.predict_function``. ``purpose`` names the

@@ -168,6 +168,33 @@ def test_state_summed_in_call_adds_up_over_the_cores_as_on_the_cpu(front_end, ag
     assert weights[1] == 400
 
 
+class MovingMean(keras.layers.Layer):
+    """A moving mean of the rows a layer of the user's own code sees in training, as batch normalization keeps."""
+
+    def build(self, shape):
+        self.mean = self.add_weight(shape=(shape[-1],), initializer="zeros", trainable=False, name="mean")
+
+    def call(self, x, training=None):
+        if training:
+            self.mean.assign(0.9 * self.mean + 0.1 * keras.ops.mean(x, axis=0))
+        return x
+
+
+@pytest.mark.parametrize("front_end", ["TPUStrategy", "keras_to_tpu_model"])
+def test_a_statistic_of_the_rows_in_call_is_averaged_over_the_cores_as_on_the_cpu(front_end, data, caplog):
+    # Its change stays the same for the same rows twice: a statistic, which the cores' mean weighted by their real
+    # rows gives as the CPU computes it (the padded program: the partial batch's 4 rows on the first core).
+    def build(scope):
+        keras.utils.set_random_seed(0)
+        with scope or contextlib.nullcontext():
+            model = keras.Sequential([keras.Input((6,)), MovingMean(name="moving"), keras.layers.Dense(2)])
+            model.compile(keras.optimizers.SGD(0.1), "mse")
+        return model
+
+    log = fits_like_the_cpu(build, front_end, *data, caplog)
+    assert "non-trainable state" not in log and "sums state" not in log and "without padding rows" not in log
+
+
 def test_state_updated_in_call_by_other_than_a_sum_is_averaged_and_said(caplog):
     # Dropout before the layer: its sum of the rows is of other numbers for two rows than for the same rows twice,
     # so the probe cannot tell a sum; the count of rows it can.
