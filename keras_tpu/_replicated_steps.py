@@ -936,9 +936,10 @@ class ReplicatedSteps:
                 for old, c, summed in zip(before, combined, self._state_summed(len(before)))]
 
     def _combine_non_trainable(self, before, per_core_after, core_share):
-        """Add up the cores' changes of state created with ``aggregation="sum"`` (an accumulator, a count of
-        rows); average other float state (moving statistics) over the cores, weighted by each core's share of
-        the real rows, as TensorFlow does on a TPU; other state (seeds, counters) is the same on every core."""
+        """Add up the cores' changes of state that sums over the rows (:meth:`_summed_over_cores`: an
+        accumulator, a count of rows); average other float state (moving statistics) over the cores, weighted by
+        each core's share of the real rows, as TensorFlow does on a TPU; other state (seeds, counters) is the
+        same on every core."""
         combined = []
         for old, new, summed in zip(before, per_core_after, self._state_summed(len(before))):
             if summed:
