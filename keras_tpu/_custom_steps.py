@@ -379,7 +379,8 @@ class CustomSteps:
     Used by :class:`keras_tpu._replicated_steps.ReplicatedSteps` for the modes the model overrides.
     """
 
-    def __init__(self, steps, loss_couples_rows=False, rows_interact=False):
+    def __init__(self, steps, loss_couples_rows=False, rows_interact=False, why=None):
+        """``why``: why Keras' own steps run here, without padding rows (``None``: the model's own steps)."""
         self.builder = steps
         self.model = steps.model
         self.layout = steps.layout
@@ -387,9 +388,10 @@ class CustomSteps:
         # A model whose own code makes its rows interact (rows_interact) runs each core's rows, as on a TPU.
         self.rows_interact = rows_interact
         if self.layout.num_devices > 1:
-            raise ValueError(
-                f"{type(self.model).__name__} has its own step methods, which keras_tpu runs on the cores of one "
-                f"process; this TPU spans {self.layout.num_devices} worker processes. Train it on one worker.")
+            what = (f"{type(self.model).__name__} has its own step methods, which keras_tpu runs" if why is None else
+                    f"{self.model.name} {why}: its steps run without padding rows, which keras_tpu does")
+            raise ValueError(f"{what} on the cores of one process; this TPU spans {self.layout.num_devices} worker "
+                             f"processes. Train it on one worker.")
         self._whole_batch = {}  # mode -> whether its step runs on the whole batch
 
     def function(self, mode, steps_per_execution):

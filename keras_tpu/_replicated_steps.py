@@ -366,7 +366,7 @@ class ReplicatedSteps:
                 iterator = itertools.chain([first], iterator)
                 why, loss_couples_rows, interact = self._why_padding_rows_count(mode, state, first, probe_rows)
                 if why:
-                    custom = CustomSteps(self, loss_couples_rows, interact)
+                    custom = CustomSteps(self, loss_couples_rows, interact, why)
                     logger.info("%s %s: its %s steps run without padding rows, %s.", self.model.name, why, mode,
                                 "on the whole batch" if custom.runs_on_the_whole_batch(mode) else
                                 "each core on its own rows (a partial batch on the cores that divide it)")

@@ -93,6 +93,21 @@ def steps_on_each_cores_rows(monkeypatch):
     monkeypatch.setattr(custom_steps, "runs_on_the_whole_batch", lambda model, mode, *args: False)
 
 
+def test_a_pod_refuses_steps_without_padding_rows_and_says_why():
+    # Steps without padding rows run on the cores of one process; a pod's workers are told which model and why.
+    import types
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)], name="counting")
+    steps = types.SimpleNamespace(model=model, layout=types.SimpleNamespace(num_devices=2))
+    with pytest.raises(ValueError, match=r"^counting sums state over its rows \(counting/total\), which padding "
+                                         r"rows would enter: its steps run without padding rows, which keras_tpu "
+                                         r"does on the cores of one process; this TPU spans 2 worker processes"):
+        custom_steps.CustomSteps(steps, why="sums state over its rows (counting/total), which padding rows would "
+                                            "enter")
+    with pytest.raises(ValueError, match=r"^Sequential has its own step methods, which keras_tpu runs on the cores"):
+        custom_steps.CustomSteps(steps)
+
+
 def test_cores_for_rows():
     assert [cores_for_rows(r, 8) for r in (1024, 64, 100, 12, 97, 1)] == [8, 8, 5, 6, 1, 1]
 
