@@ -193,6 +193,12 @@ def runs_own_code(layer):
             or type(layer).call.__module__.split(".")[0] not in ("keras", "keras_tpu"))
 
 
+def state_mapping(model, trainable, non_trainable):
+    """A :class:`keras.StatelessScope`'s ``state_mapping`` of ``model``'s variables to the values of a step's
+    state (Keras' JAX trainer takes the values out of the variables during ``fit``)."""
+    return list(zip(model.trainable_variables, trainable)) + list(zip(model.non_trainable_variables, non_trainable))
+
+
 def rows_interact(model, trainable, non_trainable, x):
     """Whether a row of ``model``'s outputs at inference depends on the batch's other rows, found by running it
     on two rows of ``x`` (a batch of real inputs): the first row with another, and the first row with the
@@ -221,9 +227,7 @@ def rows_interact(model, trainable, non_trainable, x):
 
     def forward(trainable, non_trainable, x):
         # (Not stateless_call, which passes `training` to a call() that may not take it.)
-        mapping = list(zip(model.trainable_variables, trainable)) + list(zip(model.non_trainable_variables,
-                                                                             non_trainable))
-        with keras.StatelessScope(state_mapping=mapping):
+        with keras.StatelessScope(state_mapping=state_mapping(model, trainable, non_trainable)):
             return model(x, training=False)
 
     pair, padded = (tree.map_structure(lambda a: np.asarray(a)[rows], x) for rows in ([0, other], [0, 0]))
@@ -260,9 +264,7 @@ def state_change_kinds(model, trainable, non_trainable, x, variables):
         ['sum']
     """
     def forward(trainable, non_trainable, x):
-        mapping = list(zip(model.trainable_variables, trainable)) + list(zip(model.non_trainable_variables,
-                                                                             non_trainable))
-        with keras.StatelessScope(state_mapping=mapping) as scope:
+        with keras.StatelessScope(state_mapping=state_mapping(model, trainable, non_trainable)) as scope:
             model(x, training=True)
         return [scope.get_current_value(v) for v in variables]
 
@@ -593,4 +595,4 @@ class UnpaddedProgram(Program):
 
 __all__ = ["CustomSteps", "cores_for_rows", "couples_rows_in_training", "custom_step_methods",
            "gradients_summed_over_cores", "random_in_training", "rows_interact", "runs_on_the_whole_batch",
-           "runs_own_code", "state_change_kinds"]
+           "runs_own_code", "state_change_kinds", "state_mapping"]

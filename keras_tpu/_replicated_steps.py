@@ -63,7 +63,7 @@ from keras_tpu import _hbm as hbm, _keras_private, _rewrite as rewrite
 from keras_tpu._logging import logger
 from keras_tpu._cores import CoreLayout
 from keras_tpu._custom_steps import (CustomSteps, couples_rows_in_training, custom_step_methods, random_in_training,
-                                     rows_interact, runs_own_code, state_change_kinds)
+                                     rows_interact, runs_own_code, state_change_kinds, state_mapping)
 from keras_tpu._programs import LOOPED, PaddedProgram, ProgramForm
 from keras_tpu.mxu._numerics import canonical_precision
 from keras_tpu.mxu._routing import mxu_rule
@@ -417,10 +417,8 @@ class ReplicatedSteps:
         added, averaged = [], []
 
         def forward(trainable, non_trainable, x):
-            # Keras' JAX trainer takes the values out of the variables during fit: map them to the state's.
-            mapping = list(zip(model.trainable_variables, trainable)) + list(zip(model.non_trainable_variables,
-                                                                                 non_trainable))
-            with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+            with keras.StatelessScope(state_mapping=state_mapping(model, trainable, non_trainable),
+                                      collect_losses=True) as scope:
                 before = [scope.get_current_value(v) for v in model.non_trainable_variables]
                 outputs = model(x, training=True)
             added.append(len(scope.losses))
