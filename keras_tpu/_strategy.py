@@ -46,6 +46,7 @@ import weakref
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import keras
 import numpy as np
 from keras import tree
@@ -53,6 +54,8 @@ from keras import tree
 from keras_tpu import _hbm as hbm, _keras_private, _pod as pod, _rewrite as rewrite
 from keras_tpu._cores import CORE_AXIS
 from keras_tpu._custom_steps import gradients_summed_over_cores
+from keras_tpu._per_replica import (PerReplica, has_per_replica, is_per_replica, reduce_over_replicas,
+                                    replica_row_counts, split_rows, stack)
 from keras_tpu._logging import logger
 from keras_tpu._placement import Placement, installed_on
 from keras_tpu._programs import compiling_in_background
@@ -64,52 +67,6 @@ _active = threading.local()
 class ReduceOp(enum.Enum):
     SUM = "SUM"
     MEAN = "MEAN"
-
-
-class PerReplica:
-    """A value with one part per replica (core), stored stacked on a leading replica axis.
-
-    Example:
-        >>> value = PerReplica(np.arange(8.0))
-        >>> len(value.values), float(value.values[3])
-        (8, 3.0)
-    """
-
-    def __init__(self, stacked):
-        self.stacked = stacked
-
-    @property
-    def num_replicas(self):
-        """How many parts (one per replica) the value has."""
-        return int(jax.tree.leaves(self.stacked)[0].shape[0])
-
-    @property
-    def values(self):
-        """The per-replica values, one pytree per replica (TensorFlow's ``PerReplica.values``)."""
-        return tuple(jax.tree.map(lambda a, i=i: a[i], self.stacked) for i in range(self.num_replicas))
-
-    def __repr__(self):
-        shapes = jax.tree.map(lambda a: tuple(a.shape[1:]), self.stacked)
-        return f"PerReplica({self.num_replicas} replicas of {shapes})"
-
-
-# A JAX pytree: a PerReplica passes into and out of jax.jit (the port of @tf.function) as its stacked arrays.
-jax.tree_util.register_pytree_node(PerReplica, lambda value: ((value.stacked,), None),
-                                   lambda _, children: PerReplica(children[0]))
-
-
-def _stack(values, what):
-    """One ``PerReplica`` from a list of per-replica pytrees (same structure and shapes on every replica)."""
-    try:
-        return PerReplica(jax.tree.map(lambda *parts: np.stack([np.asarray(p) for p in parts]), *values))
-    except ValueError as error:  # different structures or shapes
-        raise ValueError(f"{what} must have the same structure and shapes on every replica (a TPU program has "
-                         f"fixed shapes; batch with drop_remainder=True, or pad): {error}") from None
-
-
-def _has_per_replica(value):
-    return any(isinstance(leaf, PerReplica)
-               for leaf in jax.tree.leaves(value, is_leaf=lambda x: isinstance(x, PerReplica)))
 
 
 class InputContext:
@@ -247,12 +204,11 @@ class TPUExtended:
         (1, 8, '/job:worker/replica:0/task:0/device:TPU:1')
     """
 
-    #: As TensorFlow's attribute: the distributed datasets here never give a replica an empty or partial
-    #: step (a dataset that ends inside a step raises instead), so there is nothing optional to get.
-    experimental_enable_get_next_as_optional = False
-    #: As TensorFlow's attribute: every program here has fixed shapes (a partial batch raises), so there
-    #: are no dynamic batch sizes to enable.
-    experimental_enable_dynamic_batch_size = False
+    #: As TensorFlow's TPU strategy: a distributed dataset's partial last step gives the replicas without data
+    #: batches of no rows.
+    experimental_enable_get_next_as_optional = True
+    #: As TensorFlow's TPU strategy: ``run`` runs each replica at its own rows (see ``_per_replica``).
+    experimental_enable_dynamic_batch_size = True
 
     def __init__(self, strategy):
         self._strategy = strategy
@@ -539,34 +495,45 @@ class TPUStrategy:
         """Split each global batch of ``dataset`` (an iterable of arrays, tuples or dicts) into
         per-replica shards: a :class:`DistributedDataset` of ``PerReplica`` batches.
 
-        The global batch size must be a multiple of :attr:`num_replicas_in_sync`.
-        ``options`` (TensorFlow's ``tf.distribute.InputOptions``: prefetching and
+        As TensorFlow splits them: the first batch's row count is the dataset's
+        global batch size, and a batch of that size splits as evenly as it can
+        (100 rows over 8 replicas: 13 rows on the first four, 12 on the rest).
+        A partial last batch fills the replicas in order and leaves the rest
+        none (44 rows where batches have 64: five replicas of 8, one of 4, two
+        of 0): a ragged ``PerReplica`` (:mod:`keras_tpu._per_replica`), which
+        :meth:`run` runs at each replica's own rows, as a TPU with
+        TensorFlow's dynamic batch sizes does. ``options``
+        (TensorFlow's ``tf.distribute.InputOptions``: prefetching and
         placement of the input) has no effect here.
 
         Example:
-            >>> batches = [np.ones((16, 3))] * 2
-            >>> [b.num_replicas for b in TPUStrategy().experimental_distribute_dataset(batches)]
-            [8, 8]
+            >>> batches = [np.ones((16, 3))] * 2 + [np.ones((12, 3))]
+            >>> [b.rows for b in TPUStrategy().experimental_distribute_dataset(batches)]
+            [None, None, (2, 2, 2, 2, 2, 2, 0, 0)]
         """
         replicas = self.num_replicas_in_sync
         one_shot = iter(dataset) is dataset  # a generator: its first pass consumes it (a tf.data dataset repeats)
         passes = []
 
-        def shard(a, number):
-            a = np.asarray(a)
-            if a.ndim == 0 or a.shape[0] % replicas:
-                rows = a.shape[0] if a.ndim else "a scalar, not"
+        def shard(batch, number, global_batch_size):
+            leaves = tree.flatten(batch)
+            rows = {np.shape(a)[0] if np.ndim(a) else None for a in leaves}
+            if len(rows) != 1 or None in rows:
                 raise ValueError(
-                    f"Global batch {number} of the dataset has {rows} rows, which cannot be split evenly over "
-                    f"{replicas} replicas. Use a batch size that is a multiple of {replicas}, and drop a partial "
-                    f"last batch (TensorFlow's dataset.batch(n, drop_remainder=True)) or pad it.")
-            return a.reshape((replicas, a.shape[0] // replicas) + a.shape[1:])
+                    f"Global batch {number} of the dataset must be arrays with one number of rows (the batch's "
+                    f"first axis) to split over {replicas} replicas; got shapes "
+                    f"{[tuple(np.shape(a)) for a in leaves]}.")
+            (rows,) = rows
+            counts = replica_row_counts(rows, global_batch_size or rows, replicas)
+            return split_rows(tree.map_structure(np.asarray, batch), counts), global_batch_size or rows
 
         def batches():
             passes.append(0)
+            global_batch_size = None  # the first batch's rows, as TensorFlow reads the dataset's batch size
             for number, batch in enumerate(dataset, 1):
                 passes[-1] = number
-                yield PerReplica(tree.map_structure(lambda a, number=number: shard(a, number), batch))
+                value, global_batch_size = shard(batch, number, global_batch_size)
+                yield value
             if one_shot and len(passes) > 1 and not passes[-1]:
                 logger.warning(
                     "The dataset given to experimental_distribute_dataset is a one-shot iterator (a Python "
@@ -586,9 +553,11 @@ class TPUStrategy:
         worker, in order, and gives them to the replicas as a ``PerReplica``.
         There is one input pipeline per worker; in a pod every process builds
         all pipelines (they hold the same data everywhere), so ``dataset_fn``
-        is called once per worker in each process. A dataset that ends in the
-        middle of a step is an error (a replica would have no data).
-        ``options`` has no effect here.
+        is called once per worker in each process. Per-replica batches of
+        different sizes (a partial last batch) make a ragged ``PerReplica``,
+        and where a dataset ends in the middle of a step its replicas get
+        batches of no rows, as TensorFlow's dummy batches; :meth:`run` runs
+        each replica at its own rows. ``options`` has no effect here.
 
         Example:
             >>> strategy = TPUStrategy()
@@ -606,20 +575,17 @@ class TPUStrategy:
 
         def steps():
             iterators = [iter(d) for d in datasets]
-            step = 0
             while True:
-                parts = []
-                for iterator in iterators:
-                    parts += list(itertools.islice(iterator, per_pipeline))
-                if not parts:
+                per_pipeline_parts = [list(itertools.islice(iterator, per_pipeline)) for iterator in iterators]
+                real = [part for parts in per_pipeline_parts for part in parts]
+                if not real:
                     return
-                if len(parts) < replicas:
-                    raise ValueError(
-                        f"The dataset of dataset_fn ended in the middle of step {step}: {len(parts)} batch(es) for "
-                        f"{replicas} replicas. Each step takes one per-replica batch per replica; repeat the "
-                        f"dataset or give it a multiple of {per_pipeline} batches per input pipeline.")
-                yield _stack(parts, "The per-replica batches of dataset_fn")
-                step += 1
+                # A replica whose pipeline has run out gets a batch of no rows, as TensorFlow's dummy batches.
+                empty = tree.map_structure(lambda a: np.zeros((0,) + np.shape(a)[1:], np.asarray(a).dtype)
+                                           if np.ndim(a) else np.asarray(a), real[0])
+                yield stack([part for parts in per_pipeline_parts
+                             for part in parts + [empty] * (per_pipeline - len(parts))],
+                            "The per-replica batches of dataset_fn")
 
         return DistributedDataset(steps, f"per-replica batches of {getattr(dataset_fn, '__name__', 'dataset_fn')}")
 
@@ -641,7 +607,7 @@ class TPUStrategy:
         replicas = self.num_replicas_in_sync
         values = [value_fn(ValueContext(i, replicas)) for i in range(replicas)]
         values = [np.asarray(v) if isinstance(v, list) else v for v in values]  # a list is a tensor, as in TF
-        return _stack(values, "The values of value_fn")
+        return stack(values, "The values of value_fn")
 
     def run(self, fn, args=(), kwargs=None, options=None):
         """Run ``fn`` once per replica: ``PerReplica`` arguments give each replica its part,
@@ -653,8 +619,10 @@ class TPUStrategy:
         inside a ported ``@tf.function``) runs the same program while it closes
         over the same objects. Arguments that are not ``PerReplica`` are given
         to every replica whole, so with none ``fn`` runs the same on each.
-        ``options`` (TensorFlow's ``tf.distribute.RunOptions``: dynamic batch
-        sizes, bucketizing) has no effect: every program here has fixed shapes.
+        A ragged ``PerReplica`` (a partial batch: replicas with fewer rows or
+        none) gives each replica its own rows, as TensorFlow's dynamic batch
+        sizes do on a TPU (the default of its ``RunOptions``); outputs whose
+        rows follow the inputs' come back ragged. ``options`` has no effect.
 
         Example:
             >>> strategy = TPUStrategy()
@@ -664,20 +632,22 @@ class TPUStrategy:
             48.0
         """
         kwargs = kwargs or {}
-        leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=lambda x: isinstance(x, PerReplica))
+        leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_per_replica)
         kinds = tuple("replica" if isinstance(x, PerReplica) else
                       "array" if isinstance(x, (jax.Array, np.ndarray)) or np.isscalar(x) and not isinstance(x, str)
                       else "static" for x in leaves)
         static = tuple((i, x) for i, (x, k) in enumerate(zip(leaves, kinds)) if k == "static")
         replicated = [jnp.asarray(x) for x, k in zip(leaves, kinds) if k == "array"]
-        sharded = [self._rows_by_replica(x.stacked) for x, k in zip(leaves, kinds) if k == "replica"]
-        key = (_replica_function_key(fn), treedef, kinds, tuple((i, repr(x)) for i, x in static))
+        per_replica = [x for x, k in zip(leaves, kinds) if k == "replica"]
+        sharded = [self._rows_by_replica(x.stacked) for x in per_replica]
+        rows = tuple(x.rows for x in per_replica)  # (a ragged argument's row counts: a program per pattern)
+        key = (_replica_function_key(fn), treedef, kinds, tuple((i, repr(x)) for i, x in static), rows)
         program = self._run_programs.pop(key, None) or _RunProgram(self, fn, treedef, kinds, dict(static),
-                                                                   replicated, sharded)
+                                                                   replicated, sharded, rows)
         self._run_programs[key] = program  # most recently used last
         while len(self._run_programs) > 64:
             self._run_programs.pop(next(iter(self._run_programs)))
-        return jax.tree.map(PerReplica, program(replicated, sharded))
+        return program(replicated, sharded)
 
     def _rows_by_replica(self, stacked):
         return jax.tree.map(lambda a: jax.device_put(jnp.asarray(a), self.layout.batch_sharding()), stacked)
@@ -692,18 +662,13 @@ class TPUStrategy:
         """
         op = ReduceOp(reduce_op.upper() if isinstance(reduce_op, str) else reduce_op.value)
 
-        def combine(a):  # `a` is stacked on a leading replica axis
-            a = jnp.asarray(a)
-            axes = (0,) if axis is None else (0, (axis % (a.ndim - 1)) + 1)
-            return jnp.sum(a, axis=axes) if op is ReduceOp.SUM else jnp.mean(a, axis=axes)
-
         def reduce_leaf(leaf):
-            if isinstance(leaf, PerReplica):
-                return jax.tree.map(combine, leaf.stacked)
-            replicas = self.num_replicas_in_sync
-            return combine(jnp.broadcast_to(leaf, (replicas,) + jnp.shape(leaf)))
+            if not isinstance(leaf, PerReplica):  # the same value on every replica
+                replicas = self.num_replicas_in_sync
+                leaf = PerReplica(jnp.broadcast_to(leaf, (replicas,) + jnp.shape(leaf)))
+            return reduce_over_replicas(leaf, op.value, axis)
 
-        return jax.tree.map(reduce_leaf, value, is_leaf=lambda x: isinstance(x, PerReplica))
+        return jax.tree.map(reduce_leaf, value, is_leaf=is_per_replica)
 
     def gather(self, value, axis):
         """Concatenate the replicas' parts of ``value`` along ``axis`` on the host, as TensorFlow's.
@@ -719,31 +684,31 @@ class TPUStrategy:
         """
         replicas = self.num_replicas_in_sync
 
-        def concatenate(stacked):  # stacked on a leading replica axis
-            stacked = jnp.asarray(stacked)
-            rank = stacked.ndim - 1
+        def concatenate(parts):
+            rank = parts[0].ndim
             if rank == 0:
                 raise ValueError("gather needs per-replica values of rank >= 1 (a scalar has no axis to "
                                  "concatenate along); use experimental_local_results or reduce for scalars.")
             if not -rank <= axis < rank:
                 raise ValueError(f"axis {axis} is out of range for per-replica values of rank {rank}.")
-            return jnp.concatenate(list(stacked), axis=axis)
+            return jnp.concatenate(parts, axis=axis)
 
         def gather_leaf(leaf):
-            if isinstance(leaf, PerReplica):
-                return jax.tree.map(concatenate, leaf.stacked)
-            return concatenate(jnp.broadcast_to(jnp.asarray(leaf), (replicas,) + jnp.shape(leaf)))
+            if not isinstance(leaf, PerReplica):  # the same value on every replica
+                leaf = PerReplica(jnp.broadcast_to(jnp.asarray(leaf), (replicas,) + jnp.shape(leaf)))
+            parts = leaf.values  # (a ragged value's parts with their real rows only)
+            return jax.tree.map(lambda *leaves: concatenate([jnp.asarray(a) for a in leaves]), *parts)
 
-        return jax.tree.map(gather_leaf, value, is_leaf=lambda x: isinstance(x, PerReplica))
+        return jax.tree.map(gather_leaf, value, is_leaf=is_per_replica)
 
     def experimental_local_results(self, value):
         """The per-replica parts of ``value`` as a tuple, one entry per replica of this worker (a 1-tuple
         for a plain value). A structure holding ``PerReplica`` leaves gives one such structure per replica."""
         if isinstance(value, PerReplica):
             return value.values
-        if not _has_per_replica(value):
+        if not has_per_replica(value):
             return (value,)
-        leaves, treedef = jax.tree.flatten(value, is_leaf=lambda x: isinstance(x, PerReplica))
+        leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
         replicas = self.num_replicas_in_sync
         per_leaf = [leaf.values if isinstance(leaf, PerReplica) else (leaf,) * replicas for leaf in leaves]
         return tuple(jax.tree.unflatten(treedef, [parts[i] for parts in per_leaf]) for i in range(replicas))
@@ -849,6 +814,12 @@ class _RecordingScope(keras.StatelessScope):
         super().add_update(update)
 
 
+def _is_moving_statistic(variable):
+    """Whether :func:`_combine_over_cores` averages ``variable`` over the cores that set it apart."""
+    return (getattr(variable, "aggregation", "none") == "none" and not variable.trainable
+            and jnp.issubdtype(variable.dtype, jnp.floating))
+
+
 def _combine_over_cores(variable, old, per_core):
     """A variable's value after every core assigned its own: by the variable's Keras aggregation.
 
@@ -863,7 +834,7 @@ def _combine_over_cores(variable, old, per_core):
         return old + jnp.sum(per_core - old, axis=0).astype(old.dtype)
     if aggregation == "mean":
         return jnp.mean(per_core, axis=0).astype(old.dtype)
-    if aggregation == "none" and not variable.trainable and jnp.issubdtype(old.dtype, jnp.floating):
+    if _is_moving_statistic(variable):
         agree = jnp.all(per_core == per_core[0], axis=0)
         return jnp.where(agree, per_core[0], jnp.mean(per_core, axis=0).astype(old.dtype))
     return per_core[0]  # weights and counters: the same on every core
@@ -895,6 +866,53 @@ def _replica_function_key(fn):
     return fn.__code__, id(fn.__globals__), closed_over, defaults
 
 
+def _signature(*trees):
+    """The shapes and dtypes of a program's arguments (what it is compiled for)."""
+    return tuple((tuple(jnp.shape(a)), jnp.result_type(a)) for a in jax.tree.leaves(trees))
+
+
+def _replica_groups(rows, num_replicas):
+    """The replicas grouped by their rows: ``[(replica indices, per argument its rows or None)]``, in order of
+    each group's first replica. ``rows``: per per-replica argument, each replica's rows, or None (all alike)."""
+    groups = {}
+    for replica in range(num_replicas):
+        groups.setdefault(tuple(None if r is None else r[replica] for r in rows), []).append(replica)
+    return [(np.asarray(replicas), group_rows) for group_rows, replicas in groups.items()]
+
+
+def _replicas_rows(stacked, replicas, rows):
+    """The parts of a stacked per-replica argument for some ``replicas`` (indices), cut to their ``rows``."""
+    def cut(a):
+        contiguous = replicas[-1] - replicas[0] + 1 == len(replicas)
+        a = a[replicas[0]:replicas[-1] + 1] if contiguous else a[replicas]
+        return a if rows is None or a.ndim < 2 else a[:, :rows]
+    return jax.tree.map(cut, stacked)
+
+
+def _join_groups(group_outputs, groups, back_to_replicas, function_name):
+    """The replica groups' outputs as one stacked output in replica order, and each leaf's rows per replica
+    (None where every replica's part has the same shape). An output whose shape follows the rows (a row's
+    prediction) is padded with zeros to the most rows; another difference in shape is an error."""
+    treedef = jax.tree.structure(group_outputs[0])
+    per_leaf = zip(*[jax.tree.leaves(outputs) for outputs in group_outputs])
+    joined, leaf_rows = [], []
+    for parts in per_leaf:
+        shapes = [part.shape[1:] for part in parts]
+        if len(set(shapes)) == 1:
+            joined.append(jnp.concatenate(parts)[back_to_replicas])
+            leaf_rows.append(None)
+            continue
+        if len({len(s) for s in shapes}) > 1 or not shapes[0] or len({s[1:] for s in shapes}) > 1:
+            raise ValueError(f"The replica function {function_name!r} returned parts of shapes {shapes} on "
+                             f"replicas with different numbers of rows; only a part's first axis may follow them.")
+        most = max(s[0] for s in shapes)
+        padded = [jnp.pad(part, [(0, 0), (0, most - part.shape[1])] + [(0, 0)] * (part.ndim - 2)) for part in parts]
+        joined.append(jnp.concatenate(padded)[back_to_replicas])
+        by_group = [np.full(len(replicas), part.shape[1]) for part, (replicas, _) in zip(parts, groups)]
+        leaf_rows.append(tuple(int(r) for r in np.concatenate(by_group)[back_to_replicas]))
+    return jax.tree.unflatten(treedef, joined), leaf_rows
+
+
 class _RunProgram:
     """One compiled ``strategy.run(fn, ...)``: ``fn`` on every core, with the Keras state it reads and writes.
 
@@ -910,7 +928,7 @@ class _RunProgram:
     (:meth:`_check_hbm`).
     """
 
-    def __init__(self, strategy, fn, treedef, kinds, static, replicated, sharded):
+    def __init__(self, strategy, fn, treedef, kinds, static, replicated, sharded, rows):
         self.fn, self.treedef, self.kinds, self.static = fn, treedef, kinds, static
         self.layout, self.accelerator_type = strategy.layout, strategy.placement.accelerator_type
         self._hbm_checked = set()  # the argument shapes whose per-core HBM was checked
@@ -934,24 +952,35 @@ class _RunProgram:
         position = {id(v): i for i, v in enumerate(self.variables)}  # (Keras variables compare by value)
         written_positions = [position[id(v)] for v in self.written]
 
+        def new_values_of(scope, values):
+            return [jnp.asarray(values[i] if scope.get_current_value(v) is None else scope.get_current_value(v),
+                                values[i].dtype) for v, i in zip(self.written, written_positions)]
+
         def core_fn(values, replicated, sharded):
             mapping = list(zip(self.variables, values))
             with gradients_summed_over_cores(), keras.StatelessScope(state_mapping=mapping) as scope:
                 outputs = self._call_fn(replicated, [jax.tree.map(lambda a: a[0], x) for x in sharded])
-            old_values = [values[i] for i in written_positions]
-            new_values = [jnp.asarray(old if scope.get_current_value(v) is None else scope.get_current_value(v),
-                                      old.dtype)[None] for v, old in zip(self.written, old_values)]
-            return jax.tree.map(lambda a: jnp.asarray(a)[None], outputs), new_values
+            return (jax.tree.map(lambda a: jnp.asarray(a)[None], outputs),
+                    [value[None] for value in new_values_of(scope, values)])
 
         self._core_fn = core_fn
-        per_core = strategy.layout.per_core(rewrite.transform(core_fn, strategy.placement.rule), (False, False, True),
-                                            (True, True))
+        self._output_rows = {}  # a ragged program's outputs: each leaf's rows per replica (or None), per signature
+        if any(r is not None for r in rows):
+            if pod.is_multi_worker():
+                raise ValueError(
+                    f"strategy.run of {_function_name(fn)!r} got replicas with different numbers of rows "
+                    f"({[list(r) for r in rows if r is not None]}), which a pod's processes do not run: batch with "
+                    f"drop_remainder=True, or give every replica a batch of the same size.")
+            program = self._ragged_program(strategy.placement.rule, rows, new_values_of, written_positions)
+        else:
+            per_core = strategy.layout.per_core(rewrite.transform(core_fn, strategy.placement.rule),
+                                                (False, False, True), (True, True))
 
-        def program(values, replicated, sharded):
-            # The cores' new values (stacked, one per core) combined in the program, not by eager ops after it.
-            outputs, per_core_values = per_core(values, replicated, sharded)
-            return outputs, [_combine_over_cores(variable, values[i], stacked)
-                             for variable, i, stacked in zip(self.written, written_positions, per_core_values)]
+            def program(values, replicated, sharded):
+                # The cores' new values (stacked, one per core) combined in the program, not by eager ops after it.
+                outputs, per_core_values = per_core(values, replicated, sharded)
+                return outputs, [_combine_over_cores(variable, values[i], stacked)
+                                 for variable, i, stacked in zip(self.written, written_positions, per_core_values)]
         # The values always arrive placed on the cores, so that the written-back values (the program's outputs)
         # and the first call's (the variables' own) take one compiled program, not two.
         self.replicated = strategy.layout.replicated_sharding()
@@ -966,6 +995,68 @@ class _RunProgram:
         program = rewrite.transform(program, strategy.placement.rule)
         self.program = jax.jit(program, compiler_options=kernels.compiler_options("train"))
         self.nested_program = jax.jit(program)
+
+    def _ragged_program(self, rule, rows, new_values_of, written_positions):
+        """The program for per-replica arguments whose replicas hold different numbers of rows (``rows``: per
+        argument, each replica's rows, or None where they are all the same).
+
+        A TPU runs such a step with dynamic shapes: each replica computes on its own rows. Here the replicas
+        with the same rows form a group, mapped over its cores at its own shapes. A group's cores sum their
+        gradients among themselves, and the sum over all replicas (the optimizer's all-reduce, which every
+        group must see) is found by running the step again: the first run finds each group's sum of the
+        gradients the first optimizer applies, the next applies their total and finds the second's (a GAN's
+        second optimizer), and so on, until a run needs no sum it does not have. Each run repeats the work
+        before the sum it finds; XLA computes such a repeat once (the same operations on the same values).
+        """
+        groups = _replica_groups(rows, self.layout.num_cores)
+        back_to_replicas = np.argsort(np.concatenate([replicas for replicas, _ in groups]))
+        with_rows = np.all([[r is None or r[replica] > 0 for r in rows] for replica in range(self.layout.num_cores)],
+                           axis=1)
+
+        def group_core_fn(values, replicated, sharded, totals):
+            applied = []  # each optimizer's apply in this run: the group's summed gradients
+
+            def combine(grads):
+                applied.append([None if g is None else lax.psum(g, CORE_AXIS) for g in grads])
+                return totals[len(applied) - 1] if len(applied) <= len(totals) else applied[-1]
+
+            mapping = list(zip(self.variables, values))
+            with _keras_private.optimizers_apply(combine), keras.StatelessScope(state_mapping=mapping) as scope:
+                outputs = self._call_fn(replicated, sharded)
+            missing = applied[len(totals)] if len(applied) > len(totals) else None
+            return jax.tree.map(jnp.asarray, outputs), new_values_of(scope, values), missing
+
+        group_step = jax.vmap(rewrite.transform(group_core_fn, rule), in_axes=(None, None, 0, None),
+                              axis_name=CORE_AXIS)
+
+        def program(values, replicated, sharded):
+            per_group = [[_replicas_rows(x, replicas, r) for x, r in zip(sharded, group_rows)]
+                         for replicas, group_rows in groups]
+            totals = []
+            while True:
+                runs = [group_step(values, replicated, args, totals) for args in per_group]
+                missing = [run[2] for run in runs]
+                if all(m is None for m in missing):
+                    break
+                if any(m is None for m in missing) or len(totals) == 64:
+                    raise ValueError(
+                        f"The replica function {_function_name(self.fn)!r} applied gradients a different number "
+                        f"of times on replicas with different numbers of rows; each replica must call its "
+                        f"optimizers in the same order, as TensorFlow's all-reduce requires.")
+                totals.append(jax.tree.map(lambda *sums: sum(s[0] for s in sums), *missing))
+            outputs, output_rows = _join_groups([run[0] for run in runs], groups, back_to_replicas,
+                                                _function_name(self.fn))
+            self._output_rows[_signature(replicated, sharded)] = output_rows
+            new_values = [jnp.concatenate([run[1][k] for run in runs])[back_to_replicas]
+                          for k in range(len(self.written))]
+            # A replica without rows computes no statistic (a batch normalization's mean of no rows is NaN): the
+            # moving statistics are the mean of the replicas that have rows.
+            new_values = [stacked[with_rows] if _is_moving_statistic(variable) and with_rows.any() else stacked
+                          for variable, stacked in zip(self.written, new_values)]
+            return outputs, [_combine_over_cores(variable, values[i], stacked)
+                             for variable, i, stacked in zip(self.written, written_positions, new_values)]
+
+        return program
 
     def _call_fn(self, replicated, sharded):
         replicated, sharded = iter(replicated), iter(sharded)
@@ -1028,4 +1119,8 @@ class _RunProgram:
                 "TPU program, as @tf.function does.")
         for variable, value in zip(self.written, combined):
             variable.assign(value)
-        return outputs
+        output_rows = self._output_rows.get(_signature(replicated, sharded))
+        if output_rows is None:
+            return jax.tree.map(PerReplica, outputs)
+        leaves, treedef = jax.tree.flatten(outputs)
+        return jax.tree.unflatten(treedef, [PerReplica(leaf, r) for leaf, r in zip(leaves, output_rows)])

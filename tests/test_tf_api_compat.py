@@ -548,7 +548,7 @@ def test_tensorflow_1_strategy_methods():
     assert extended.update_non_slot(None, lambda a: a + 1, args=(1,)) == 2
     assert extended.update_non_slot(None, lambda: 5, group=False) == (5,)
     assert extended.non_slot_devices([]) == "/job:worker/replica:0/task:0/device:CPU:0"
-    assert extended.experimental_enable_dynamic_batch_size is False
+    assert extended.experimental_enable_dynamic_batch_size is extended.experimental_enable_get_next_as_optional is True
 
 
 def test_estimator_params_batches_and_export(tmp_path):

@@ -110,6 +110,8 @@ class _MXUPrimitive:
         precision, plain = self.split_params(params)
         geometry = {k: v for k, v in plain.items() if k not in ("preferred_element_type", "out_sharding")}
         out = self._abstract_eval(jax.typeof(lhs), jax.typeof(rhs), **params)
+        if not lhs.size or not rhs.size:  # a replica with no rows (a partial batch): nothing to multiply or sum
+            return jnp.zeros(out.shape, out.dtype)
         form, one_pass = self.pass_fn(lhs, rhs, out.shape, **geometry)
         result = multipass(one_pass, lhs, rhs, precision, kernels.operand_dtype(form))
         return result.astype(out.dtype)
