@@ -99,7 +99,10 @@ def _interleaved(pieces, window):
 
 
 @functools.lru_cache(maxsize=256)
-def _traced(source_shape, source_dtype, operand_shape, operand_dtype, frozen_params):
+def _traced(source_shape, source_dtype, operand_shape, operand_dtype, frozen_params, mesh):
+    # ``mesh``: the abstract mesh the trace runs under. A jaxpr traced inside a ``shard_map`` (the cores' layout
+    # over the devices) carries its manual axes, which a program traced outside one must not be given.
+    del mesh
     params = dict(frozen_params)
     return jax.make_jaxpr(functools.partial(tiled_select_and_scatter_add, **params))(
         jax.ShapeDtypeStruct(source_shape, source_dtype), jax.ShapeDtypeStruct(operand_shape, operand_dtype))
@@ -126,7 +129,8 @@ def leading_rows_sum(x, count):
 
 
 @functools.lru_cache(maxsize=256)
-def _traced_rows_sum(shape, dtype, count):
+def _traced_rows_sum(shape, dtype, count, mesh):
+    del mesh  # (a key only: see _traced)
     return jax.make_jaxpr(functools.partial(leading_rows_sum, count=count))(jax.ShapeDtypeStruct(shape, dtype))
 
 
@@ -169,14 +173,18 @@ def vector_unit_rule():
         count = _sums_few_large_rows(eqn)
         if count is not None:
             aval = eqn.invars[0].aval
-            return _as_closed_call(eqn, _traced_rows_sum(aval.shape, aval.dtype, count))
+            return _as_closed_call(eqn, _traced_rows_sum(aval.shape, aval.dtype, count,
+                                                         jax.sharding.get_abstract_mesh()))
         if eqn.primitive is not jex_primitives.select_and_scatter_add_p:
             return None
         params = eqn.params
         source, operand = (v.aval for v in eqn.invars)
+        if not operand.size:  # (a replica with no rows: nothing to scatter)
+            return None
         if params["select_prim"] not in (lax.ge_p, lax.le_p) or not _tiles_exactly(
                 operand.shape, params["window_dimensions"], params["window_strides"], params["padding"]):
             return None
         frozen = tuple(sorted((k, tuple(map(tuple, v)) if k == "padding" else v) for k, v in params.items()))
-        return _as_closed_call(eqn, _traced(source.shape, source.dtype, operand.shape, operand.dtype, frozen))
+        return _as_closed_call(eqn, _traced(source.shape, source.dtype, operand.shape, operand.dtype, frozen,
+                                            jax.sharding.get_abstract_mesh()))
     return rule

@@ -162,15 +162,41 @@ def test_per_replica_datasets_that_run_out_mid_step_give_the_rest_no_rows():
     np.testing.assert_allclose(strategy.gather(steps[1], axis=0), data[32:])
 
 
+def _convnet():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((8, 8, 2)), keras.layers.Conv2D(4, 3, activation="relu"),
+                             keras.layers.MaxPooling2D(), keras.layers.DepthwiseConv2D(3, padding="same"),
+                             keras.layers.Flatten(), keras.layers.Dense(3)])
+
+
+def test_a_convolutional_step_with_replicas_without_rows_trains_as_the_cpu():
+    """Convolutions, max pooling's gradient and depthwise convolutions of replicas with no rows (a partial batch
+    of 5 rows where batches have 16) have nothing to compute; the step equals the CPU's on the 5 rows."""
+    rng = np.random.default_rng(1)
+    images = rng.standard_normal((21, 8, 8, 2)).astype("float32")
+    labels = rng.integers(0, 3, 21)
+    batches = [(images[:16], labels[:16]), (images[16:], labels[16:])]
+    strategy = keras_tpu.TPUStrategy(precision="highest")
+    with strategy.scope():
+        model, optimizer = _convnet(), keras.optimizers.SGD(0.1)
+    distributed = list(strategy.experimental_distribute_dataset(batches))
+    assert distributed[1].rows == (2, 2, 1, 0, 0, 0, 0, 0)
+    step = _train_step(model, optimizer, keras.metrics.SparseCategoricalAccuracy(), 16)
+    losses = [float(strategy.reduce("SUM", strategy.run(step, args=(batch,))[0])) for batch in distributed]
+    cpu, cpu_optimizer = _convnet(), keras.optimizers.SGD(0.1)
+    cpu_step = _train_step(cpu, cpu_optimizer, keras.metrics.SparseCategoricalAccuracy(), 16)
+    np.testing.assert_allclose(losses, [float(cpu_step(batch)[0]) for batch in batches], rtol=1e-5)
+    for a, b in zip(model.get_weights(), cpu.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
 def test_a_convolutional_step_on_replicas_without_rows_and_under_jit():
     """Convolutions and matrix products of a replica with no rows (nothing to multiply on the MXU), in a replica
     function that only computes, called inside the user's jax.jit (the port of @tf.function)."""
-    keras.utils.set_random_seed(0)
     images = np.random.default_rng(1).standard_normal((11, 8, 8, 2)).astype("float32")
     strategy = keras_tpu.TPUStrategy(precision="highest")
     with strategy.scope():
-        model = keras.Sequential([keras.Input((8, 8, 2)), keras.layers.Conv2D(4, 3), keras.layers.Flatten(),
-                                  keras.layers.Dense(3)])
+        model = _convnet()
     batch = list(strategy.experimental_distribute_dataset([np.zeros((16, 8, 8, 2), "float32"), images]))[1]
     assert batch.rows == (2, 2, 2, 2, 2, 1, 0, 0)
 
