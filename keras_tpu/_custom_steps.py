@@ -54,6 +54,7 @@ trainer does.
 """
 
 import contextlib
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -520,15 +521,32 @@ class UnpaddedProgram(Program):
         if builder.accelerator_type is None:
             return None
         state, _, data = args
-        core_rows = -(-_rows(data) // (self.layout.num_cores if self.custom.runs_on_the_whole_batch(self.mode)
-                                       else cores))
+        rows, whole = _rows(data), self.custom.runs_on_the_whole_batch(self.mode)
+        core_rows = -(-rows // (self.layout.num_cores if whole else cores))
         abstract = lambda tree_, rows=None: jax.tree.map(
             lambda a: jax.ShapeDtypeStruct((rows,) + a.shape[1:] if rows else a.shape, jnp.result_type(a)), tree_)
-        return hbm.step_footprint(self.custom.device_step(self.mode, 1), (abstract(state), abstract(data, core_rows)),
-                                  accelerator_type=builder.accelerator_type,
-                                  argument_names=hbm.state_names(model, self.mode),
-                                  argument_kinds=hbm.state_kinds(model, self.mode),
-                                  label=f"{self.mode} step of {model.name!r}")
+
+        def footprint(rows):
+            return hbm.step_footprint(self.custom.device_step(self.mode, 1), (abstract(state), abstract(data, rows)),
+                                      accelerator_type=builder.accelerator_type,
+                                      argument_names=hbm.state_names(model, self.mode),
+                                      argument_kinds=hbm.state_kinds(model, self.mode),
+                                      label=f"{self.mode} step of {model.name!r}")
+
+        if not whole or core_rows == rows:
+            return footprint(core_rows)
+        # The step runs on the whole batch here, so the user's code never sees a core's share; it may not take one
+        # (keras.io's contrastive loss squeezes its labels, a scalar at one row). Keras' warnings about such a
+        # share would be about a batch no program runs.
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return footprint(core_rows)
+        except Exception as error:  # noqa: BLE001 (any error of the user's code at a share it never runs at)
+            logger.info("The HBM estimate of the %s step of %r counts the whole batch of %d rows, as it runs here: it "
+                        "does not trace at one core's share of %d row(s) (%s: %s).", self.mode, model.name,
+                        rows, core_rows, type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+            return footprint(rows)
 
     def _log_compiled(self, args, cores, seconds, footprint):
         data = args[2]

@@ -624,6 +624,44 @@ def test_a_loss_summed_over_the_rows_trains_as_on_the_cpu(caplog):
     assert "(the model's own train_step on the 8 cores' rows as one batch); inputs (13, 3)" in caplog.text
 
 
+class SqueezedPairLoss(keras.losses.Loss):
+    """keras.io's supervised contrastive loss: ``npairs_loss(squeeze(labels), logits)`` over the batch's pairs of
+    rows; at one row, ``squeeze`` leaves a scalar and the loss cannot be computed."""
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        features = y_pred / ops.norm(y_pred, axis=1, keepdims=True)
+        logits = ops.matmul(features, ops.transpose(features)) / 0.5
+        labels = ops.expand_dims(ops.squeeze(y_true), -1)
+        same = ops.cast(ops.equal(labels, ops.transpose(labels)), "float32")
+        same = same / ops.sum(same, axis=1, keepdims=True)
+        return ops.mean(keras.losses.categorical_crossentropy(same, logits, from_logits=True))
+
+
+@pytest.mark.parametrize("rows, batch_size", [(100, 24), (32, 8)])  # a last batch of 4 rows; 1 row per core
+def test_a_loss_that_cannot_take_one_cores_rows_trains_on_the_whole_batch_as_on_the_cpu(rows, batch_size, caplog):
+    """A loss over the batch's pairs of rows runs on the whole batch; the HBM estimate of one core's share cannot
+    trace it at one row (the squeeze), so it counts the whole batch instead of failing the step."""
+    caplog.set_level(logging.INFO, logger="keras_tpu")
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((rows, 6)).astype("float32"), rng.integers(0, 3, (rows, 1))
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4)])
+        model.compile(keras.optimizers.SGD(0.1), loss=SqueezedPairLoss())
+        return model
+
+    with keras_tpu.TPUStrategy(precision="highest").scope():
+        model = build()
+    reference = build()
+    got = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0).history["loss"]
+    want = reference.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert "counts the whole batch of 4 rows" in caplog.text if rows == 100 else "of 8 rows" in caplog.text
+
+
 def test_a_sum_metric_of_one_value_per_step_adds_what_the_cores_add(steps_on_each_cores_rows):
     # On each core's rows (as a model with batch statistics runs them), a Sum of the rows seen is the batch's
     # rows, also for a step on fewer cores (44 rows: 32, then 12 on 6 cores), not scaled up as a Mean tracker's
