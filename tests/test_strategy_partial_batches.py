@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import keras_tpu
+from keras_tpu import _pod as pod
 
 
 def _data(rows, seed=0):
@@ -209,3 +210,12 @@ def test_a_convolutional_step_on_replicas_without_rows_and_under_jit():
     np.testing.assert_allclose(strategy.gather(out, axis=0), model(images), atol=1e-5)
     with pytest.raises(ValueError, match="only a part's first axis may follow them"):
         strategy.run(lambda rows: jnp.transpose(rows), args=(batch,))
+
+
+def test_a_pods_processes_refuse_replicas_with_different_rows_and_say_what_to_do(monkeypatch):
+    strategy = keras_tpu.TPUStrategy()
+    (batch,) = strategy.experimental_distribute_dataset([np.ones((12, 3), "float32")])
+    monkeypatch.setattr(pod, "is_multi_worker", lambda: True)
+    with pytest.raises(ValueError, match=r"different numbers of rows \(\[\[2, 2, 2, 2, 1, 1, 1, 1\]\]\).*"
+                                         r"drop_remainder=True"):
+        strategy.run(lambda x: jnp.sum(x), args=(batch,))
