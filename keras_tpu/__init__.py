@@ -26,6 +26,8 @@ from keras_tpu import datasets  # noqa: E402
 from keras_tpu._tpu_model import KerasTPUModel, TPUDistributionStrategy, keras_to_tpu_model  # noqa: E402
 from keras_tpu._strategy import (DeviceAssignment, InputContext, PerReplica, ReduceOp, TPUStrategy,  # noqa: E402
                                 ValueContext)
+from keras_tpu._per_replica import (InputOptions, InputReplicationMode, OptionalValue,  # noqa: E402
+                                    OutOfRangeError)
 from keras_tpu import train  # noqa: E402
 from keras_tpu import estimator  # noqa: E402
 from keras_tpu import callbacks  # noqa: E402
@@ -38,7 +40,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ACCELERATOR_TYPES", "AcceleratorSpec", "ClusterSpec", "CoreLayout", "DeviceAssignment", "InputContext",
-    "KerasTPUModel", "PerReplica", "ReduceOp", "ValueContext",
+    "KerasTPUModel", "PerReplica", "ReduceOp", "ValueContext", "InputOptions", "InputReplicationMode", "OptionalValue",
+    "OutOfRangeError",
     "TPUClusterResolver", "TPUDistributionStrategy", "TPUStrategy", "Topology", "datasets", "estimator", "train",
     "experimental_connect_to_cluster", "initialize_tpu_system", "shutdown_tpu_system", "keras_to_tpu_model", "mxu", "set_verbosity",
     "TPUProfile", "callbacks", "profile", "load_exported", "WorkerLostError", "ResourceExhaustedError",

@@ -1,4 +1,5 @@
-"""Per-replica values: one part per replica (core), as ``tf.distribute``'s ``PerReplica``.
+"""Per-replica values (one part per replica, as ``tf.distribute``'s ``PerReplica``) and the distributed datasets
+and iterators that give them.
 
 A :class:`PerReplica` holds its parts stacked on a leading replica axis. The
 parts of a batch may hold different numbers of rows, as TensorFlow's
@@ -9,6 +10,10 @@ none (TensorFlow's "dummy batches of batch size 0"). Such a value is
 :attr:`PerReplica.rows` says how many rows of each part are real.
 :func:`replica_row_counts` is TensorFlow's split of a global batch.
 """
+
+import dataclasses
+import enum
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -51,9 +56,11 @@ class PerReplica:
         return part if self.rows is None or part.ndim == 0 else part[:self.rows[replica]]
 
     def __repr__(self):
-        shapes = jax.tree.map(lambda a: tuple(a.shape[1:]), self.stacked)
-        rows = "" if self.rows is None else f", rows {list(self.rows)}"
-        return f"PerReplica({self.num_replicas} replicas of {shapes}{rows})"
+        """Each replica's part, as TensorFlow prints a ``PerReplica`` (``PerReplica:{ 0: ..., 1: ... }``)."""
+        def shown(a):
+            return a if isinstance(a, jax.core.Tracer) else np.asarray(a)
+        parts = ",\n".join(f"  {i}: {jax.tree.map(shown, part)!r}" for i, part in enumerate(self.values))
+        return "PerReplica:{\n" + parts + "\n}"
 
 
 # A JAX pytree: a PerReplica passes into and out of jax.jit (the port of @tf.function) as its stacked arrays; the
@@ -98,12 +105,19 @@ def replica_row_counts(rows, global_batch_size, num_replicas):
 
 
 def split_rows(batch, counts):
-    """A ``PerReplica`` of ``batch`` (a pytree of arrays with a common number of rows) split into consecutive
-    parts of ``counts`` rows: stacked as they are where every part has the same rows, else ragged."""
+    """``batch`` (a pytree of arrays with a common number of rows) split into consecutive parts of ``counts``
+    rows, one per replica: the batch's structure with a ``PerReplica`` at each leaf, as TensorFlow's
+    distributed datasets give it (``features, labels = batch`` unpacks it). Ragged where the parts' rows differ.
+
+    Example:
+        >>> features, labels = split_rows((np.ones((3, 2)), np.arange(3)), [2, 1])
+        >>> labels.rows, [part.tolist() for part in labels.values]
+        ((2, 1), [[0, 1], [2]])
+    """
     counts = [int(c) for c in counts]
-    if len(set(counts)) == 1:
-        return PerReplica(jax.tree.map(
-            lambda a: np.asarray(a).reshape((len(counts), counts[0]) + np.shape(a)[1:]), batch))
+    if len(set(counts)) == 1:  # (a view of the batch: no copy)
+        return jax.tree.map(lambda a: PerReplica(np.asarray(a).reshape((len(counts), counts[0]) + np.shape(a)[1:])),
+                            batch)
     starts = np.cumsum([0] + counts[:-1])
     return stack([jax.tree.map(lambda a, s=s, c=c: np.asarray(a)[s:s + c], batch)
                   for s, c in zip(starts, counts)], "The parts of a batch")
@@ -118,9 +132,23 @@ def _row_count(part, what):
     return counts.pop() if counts else None
 
 
+def _stacked_leaf(leaves, rows, what):
+    """One ``PerReplica`` of one leaf's per-replica parts: stacked, or padded with zeros to the most rows."""
+    leaves = [np.asarray(leaf) for leaf in leaves]
+    if len({leaf.ndim for leaf in leaves}) > 1 or len({leaf.shape[1:] for leaf in leaves}) > 1:
+        raise ValueError(f"{what} must have the same shapes on every replica, apart from their number of rows; got "
+                         f"{sorted({leaf.shape for leaf in leaves})}.")
+    if leaves[0].ndim == 0 or len({leaf.shape[0] for leaf in leaves}) == 1:
+        return PerReplica(np.stack(leaves))
+    most = max(rows)
+    return PerReplica(np.stack([np.pad(leaf, [(0, most - leaf.shape[0])] + [(0, 0)] * (leaf.ndim - 1))
+                                for leaf in leaves]), rows)
+
+
 def stack(parts, what):
-    """One ``PerReplica`` from a list of per-replica pytrees of one structure: stacked, or ragged where the
-    parts' rows differ (each padded with zeros to the most rows).
+    """Per-replica pytrees of one structure (one per replica) as that structure with a ``PerReplica`` at each
+    leaf, as TensorFlow regroups them: stacked, or ragged where the parts' rows differ (each padded with zeros
+    to the most rows).
 
     Example:
         >>> stack([np.ones((2, 3)), np.ones((1, 3))], "parts").rows
@@ -131,24 +159,9 @@ def stack(parts, what):
         raise ValueError(f"{what} must have the same structure on every replica; got {len(structures)} different "
                          f"ones.")
     rows = [_row_count(part, what) for part in parts]
-    if len(set(rows)) == 1:
-        try:
-            return PerReplica(jax.tree.map(lambda *leaves: np.stack([np.asarray(p) for p in leaves]), *parts))
-        except ValueError as error:  # different shapes beyond the rows
-            raise ValueError(f"{what} must have the same shapes on every replica, apart from their number of "
-                             f"rows: {error}") from None
-    most = max(rows)
-
-    def padded(*leaves):
-        leaves = [np.asarray(leaf) for leaf in leaves]
-        if len({leaf.shape[1:] for leaf in leaves}) > 1 or len({leaf.ndim for leaf in leaves}) > 1:
-            raise ValueError(f"{what} must have the same shapes on every replica apart from their number of rows; "
-                             f"got {sorted({leaf.shape for leaf in leaves})}.")
-        if leaves[0].ndim == 0:
-            return np.stack(leaves)
-        return np.stack([np.pad(leaf, [(0, most - leaf.shape[0])] + [(0, 0)] * (leaf.ndim - 1)) for leaf in leaves])
-
-    return PerReplica(jax.tree.map(padded, *parts), rows)
+    treedef = structures.pop()
+    per_leaf = zip(*[jax.tree.leaves(part) for part in parts])
+    return jax.tree.unflatten(treedef, [_stacked_leaf(leaves, rows, what) for leaves in per_leaf])
 
 
 def real_rows_mask(value):
@@ -182,3 +195,160 @@ def reduce_over_replicas(value, op, axis):
         return total if op == "SUM" else total / max(int(sum(value.rows)), 1)
 
     return jax.tree.map(combine_real_rows, value.stacked)
+
+
+class InputReplicationMode(enum.Enum):
+    """How ``distribute_datasets_from_function`` builds its input pipelines (``tf.distribute.InputReplicationMode``):
+    one per worker (``PER_WORKER``, the default), or one per replica (``PER_REPLICA``)."""
+    PER_WORKER = "PER_WORKER"
+    PER_REPLICA = "PER_REPLICA"
+
+
+@dataclasses.dataclass
+class InputOptions:
+    """``tf.distribute.InputOptions``: ``experimental_replication_mode`` chooses one input pipeline per worker or
+    per replica in ``distribute_datasets_from_function``; the rest place and prefetch the input on a real TPU
+    host and have no effect here (the batches are NumPy arrays in the host's memory already).
+
+    Example:
+        >>> InputOptions(experimental_replication_mode=InputReplicationMode.PER_REPLICA).experimental_fetch_to_device
+        True
+    """
+    experimental_fetch_to_device: bool = True
+    experimental_replication_mode: InputReplicationMode = InputReplicationMode.PER_WORKER
+    experimental_place_dataset_on_device: bool = False
+    experimental_per_replica_buffer_size: int = 1
+
+
+class OutOfRangeError(Exception):
+    """A distributed iterator's ``get_next()`` after its last element (TensorFlow's ``tf.errors.OutOfRangeError``)."""
+
+
+class OptionalValue:
+    """What ``get_next_as_optional()`` returns (TensorFlow's ``tf.experimental.Optional``): a value, or none.
+
+    Example:
+        >>> OptionalValue(None, False).has_value()
+        False
+    """
+
+    def __init__(self, value, present):
+        self._value, self._present = value, present
+
+    def has_value(self):
+        """Whether there is a value."""
+        return self._present
+
+    def get_value(self):
+        """The value; an error if there is none."""
+        if not self._present:
+            raise OutOfRangeError("The optional has no value: the distributed iterator had no more elements.")
+        return self._value
+
+    def __repr__(self):
+        return f"OptionalValue({self._value!r})" if self._present else "OptionalValue(none)"
+
+
+def element_spec_of(element):
+    """An element's structure with one replica's part's shape and dtype at each ``PerReplica`` (for a ragged
+    one, the part with the most rows)."""
+    return jax.tree.map(lambda value: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                                                   value.stacked), element, is_leaf=is_per_replica)
+
+
+class DistributedIterator:
+    """An iterator over a :class:`DistributedDataset` (``tf.distribute.DistributedIterator``): ``next()``,
+    ``get_next()``, ``get_next_as_optional()`` and ``element_spec``.
+
+    Example:
+        >>> iterator = iter(DistributedDataset(lambda: iter([PerReplica(np.ones((8, 2)))]), "one batch"))
+        >>> iterator.element_spec.shape, iterator.get_next().num_replicas, iterator.get_next_as_optional().has_value()
+        ((2,), 8, False)
+    """
+
+    def __init__(self, iterator):
+        self._iterator = iterator
+        self._peeked = []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self._peeked.pop() if self._peeked else next(self._iterator)
+
+    def get_next(self):
+        """The next element; :class:`OutOfRangeError` after the last, as TensorFlow's."""
+        try:
+            return next(self)
+        except StopIteration:
+            raise OutOfRangeError("End of sequence: the distributed dataset has no more elements.") from None
+
+    def get_next_as_optional(self):
+        """The next element as an :class:`OptionalValue`, without an error after the last: TensorFlow's way to
+        stop a loop at the end of the data (``while optional.has_value(): ...``)."""
+        try:
+            return OptionalValue(next(self), True)
+        except StopIteration:
+            return OptionalValue(None, False)
+
+    @property
+    def element_spec(self):
+        """The next element's structure, with one replica's part's shape and dtype at each ``PerReplica``."""
+        if not self._peeked:
+            try:
+                self._peeked.append(next(self._iterator))
+            except StopIteration:
+                raise OutOfRangeError("The distributed iterator has no more elements to describe.") from None
+        return element_spec_of(self._peeked[0])
+
+
+class DistributedDataset:
+    """Per-replica batches (``PerReplica`` values), like ``tf.distribute.DistributedDataset``.
+
+    Each ``iter()`` starts a new pass over the underlying data (if the data
+    can be iterated again: a list or a ``keras.utils.PyDataset`` can, a
+    generator cannot) and returns a :class:`DistributedIterator`.
+    ``element_spec`` describes the first element: each ``PerReplica``'s part on
+    one replica.
+    """
+
+    def __init__(self, make_iterator, description, one_shot=False):
+        self._make_iterator = make_iterator
+        self._description = description
+        self._one_shot = one_shot  # a generator: what element_spec reads must still be given to the next pass
+        self._kept = []
+        self._element_spec = None
+
+    def __iter__(self):
+        kept, self._kept = self._kept, []
+        return DistributedIterator(itertools.chain(kept, self._make_iterator()))
+
+    @property
+    def element_spec(self):
+        """The first element's structure, with one replica's part's shape and dtype at each ``PerReplica``."""
+        if self._element_spec is None:
+            first = next(iter(self), None)
+            if first is None:
+                raise ValueError(f"The distributed dataset ({self._description}) has no elements to describe.")
+            if self._one_shot:
+                self._kept = [first]
+            self._element_spec = element_spec_of(first)
+        return self._element_spec
+
+    def reduce(self, initial_state, reduce_func):
+        """``reduce_func(state, element)`` folded over a pass of the dataset from ``initial_state``, as
+        TensorFlow's ``DistributedDataset.reduce`` (call ``strategy.run`` inside ``reduce_func`` for per-replica
+        work).
+
+        Example:
+            >>> dataset = DistributedDataset(lambda: iter([PerReplica(np.ones(8))] * 3), "three elements")
+            >>> dataset.reduce(0.0, lambda state, element: state + float(element.stacked.sum()))
+            24.0
+        """
+        state = initial_state
+        for element in self:
+            state = reduce_func(state, element)
+        return state
+
+    def __repr__(self):
+        return f"DistributedDataset({self._description})"

@@ -54,8 +54,8 @@ from keras import tree
 from keras_tpu import _hbm as hbm, _keras_private, _pod as pod, _rewrite as rewrite
 from keras_tpu._cores import CORE_AXIS
 from keras_tpu._custom_steps import gradients_summed_over_cores
-from keras_tpu._per_replica import (PerReplica, has_per_replica, is_per_replica, reduce_over_replicas,
-                                    replica_row_counts, split_rows, stack)
+from keras_tpu._per_replica import (DistributedDataset, InputReplicationMode, PerReplica, has_per_replica,
+                                    is_per_replica, reduce_over_replicas, replica_row_counts, split_rows, stack)
 from keras_tpu._logging import logger
 from keras_tpu._placement import Placement, installed_on
 from keras_tpu._programs import compiling_in_background
@@ -137,25 +137,6 @@ class ValueContext:
     def __repr__(self):
         return (f"ValueContext(replica_id_in_sync_group={self._replica_id_in_sync_group}, "
                 f"num_replicas_in_sync={self._num_replicas_in_sync})")
-
-
-class DistributedDataset:
-    """Per-replica batches (``PerReplica`` values), like ``tf.distribute.DistributedDataset``.
-
-    Each ``iter()`` starts a new pass over the underlying data (if the data
-    can be iterated again: a list or a ``keras.utils.PyDataset`` can, a
-    generator cannot).
-    """
-
-    def __init__(self, make_iterator, description):
-        self._make_iterator = make_iterator
-        self._description = description
-
-    def __iter__(self):
-        return self._make_iterator()
-
-    def __repr__(self):
-        return f"DistributedDataset({self._description})"
 
 
 class DeviceAssignment:
@@ -511,6 +492,9 @@ class TPUStrategy:
             >>> [b.rows for b in TPUStrategy().experimental_distribute_dataset(batches)]
             [None, None, (2, 2, 2, 2, 2, 2, 0, 0)]
         """
+        if getattr(options, "experimental_replication_mode", None) == InputReplicationMode.PER_REPLICA:
+            raise ValueError("InputReplicationMode.PER_REPLICA is only supported in distribute_datasets_from_function "
+                             "(as in TensorFlow): there dataset_fn is called once per replica.")
         replicas = self.num_replicas_in_sync
         one_shot = iter(dataset) is dataset  # a generator: its first pass consumes it (a tf.data dataset repeats)
         passes = []
@@ -527,12 +511,14 @@ class TPUStrategy:
             counts = replica_row_counts(rows, global_batch_size or rows, replicas)
             return split_rows(tree.map_structure(np.asarray, batch), counts), global_batch_size or rows
 
+        batch_size = []  # the dataset's first batch's rows, as TensorFlow reads a dataset's batch size
+
         def batches():
             passes.append(0)
-            global_batch_size = None  # the first batch's rows, as TensorFlow reads the dataset's batch size
             for number, batch in enumerate(dataset, 1):
                 passes[-1] = number
-                value, global_batch_size = shard(batch, number, global_batch_size)
+                value, global_batch_size = shard(batch, number, batch_size[0] if batch_size else None)
+                batch_size[:] = [global_batch_size]
                 yield value
             if one_shot and len(passes) > 1 and not passes[-1]:
                 logger.warning(
@@ -540,7 +526,7 @@ class TPUStrategy:
                     "generator) that an earlier pass consumed: this pass has no batches. Pass a list of batches, "
                     "or distribute a new generator for each epoch.")
 
-        return DistributedDataset(batches, f"global batches split over {replicas} replicas")
+        return DistributedDataset(batches, f"global batches split over {replicas} replicas", one_shot=one_shot)
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """Per-replica batches from ``dataset_fn(input_context)``, as TensorFlow's.
@@ -557,7 +543,11 @@ class TPUStrategy:
         different sizes (a partial last batch) make a ragged ``PerReplica``,
         and where a dataset ends in the middle of a step its replicas get
         batches of no rows, as TensorFlow's dummy batches; :meth:`run` runs
-        each replica at its own rows. ``options`` has no effect here.
+        each replica at its own rows. ``options`` (an :class:`InputOptions`):
+        ``experimental_replication_mode=InputReplicationMode.PER_REPLICA``
+        calls ``dataset_fn`` once per replica (its ``input_pipeline_id``),
+        each dataset giving that replica's batches; the other options have no
+        effect here.
 
         Example:
             >>> strategy = TPUStrategy()
@@ -569,7 +559,8 @@ class TPUStrategy:
             (2, (4, 2), 8.0)
         """
         replicas = self.num_replicas_in_sync
-        pipelines = self.extended.num_hosts
+        per_replica = getattr(options, "experimental_replication_mode", None) == InputReplicationMode.PER_REPLICA
+        pipelines = replicas if per_replica else self.extended.num_hosts
         per_pipeline = replicas // pipelines
         datasets = [dataset_fn(InputContext(pipelines, i, replicas)) for i in range(pipelines)]
 
@@ -587,7 +578,8 @@ class TPUStrategy:
                              for part in parts + [empty] * (per_pipeline - len(parts))],
                             "The per-replica batches of dataset_fn")
 
-        return DistributedDataset(steps, f"per-replica batches of {getattr(dataset_fn, '__name__', 'dataset_fn')}")
+        return DistributedDataset(steps, f"per-replica batches of {getattr(dataset_fn, '__name__', 'dataset_fn')}",
+                                  one_shot=any(iter(d) is d for d in datasets))
 
     def experimental_distribute_datasets_from_function(self, dataset_fn, options=None):
         """TensorFlow 2.0-2.3's name of :meth:`distribute_datasets_from_function` (deprecated there since 2.4)."""
@@ -969,7 +961,8 @@ class _RunProgram:
             if pod.is_multi_worker():
                 raise ValueError(
                     f"strategy.run of {_function_name(fn)!r} got replicas with different numbers of rows "
-                    f"({[list(r) for r in rows if r is not None]}), which a pod's processes do not run: batch with "
+                    f"({[list(r) for r in rows if r is not None]}), which a pod's processes do not run: use a global "
+                    f"batch size that divides by the {self.layout.num_cores} replicas and batch with "
                     f"drop_remainder=True, or give every replica a batch of the same size.")
             program = self._ragged_program(strategy.placement.rule, rows, new_values_of, written_positions)
         else:

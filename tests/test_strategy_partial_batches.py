@@ -58,7 +58,7 @@ def test_uneven_and_partial_batches_train_each_replica_on_its_own_rows_as_the_cp
         model, optimizer, accuracy = _parts()
     step = _train_step(model, optimizer, accuracy, global_batch)
     distributed = list(strategy.experimental_distribute_dataset(batches))
-    assert [batch.rows for batch in distributed] == rows
+    assert [(features.rows, labels.rows) for features, labels in distributed] == [(r, r) for r in rows]
     results = [strategy.run(step, args=(batch,)) for batch in distributed]
 
     cpu, cpu_optimizer, cpu_accuracy = _parts()
@@ -181,7 +181,7 @@ def test_a_convolutional_step_with_replicas_without_rows_trains_as_the_cpu():
     with strategy.scope():
         model, optimizer = _convnet(), keras.optimizers.SGD(0.1)
     distributed = list(strategy.experimental_distribute_dataset(batches))
-    assert distributed[1].rows == (2, 2, 1, 0, 0, 0, 0, 0)
+    assert distributed[1][0].rows == distributed[1][1].rows == (2, 2, 1, 0, 0, 0, 0, 0)
     step = _train_step(model, optimizer, keras.metrics.SparseCategoricalAccuracy(), 16)
     losses = [float(strategy.reduce("SUM", strategy.run(step, args=(batch,))[0])) for batch in distributed]
     cpu, cpu_optimizer = _convnet(), keras.optimizers.SGD(0.1)

@@ -24,7 +24,7 @@ import pytest
 
 import keras_tpu
 from keras_tpu import estimator as tpu_estimator
-from keras_tpu import _strategy as tpu_strategy
+from keras_tpu import _per_replica as per_replica, _strategy as tpu_strategy
 from keras_tpu.estimator import ModeKeys
 from tests.tpu_helpers import classification_data, on_tpu, small_classifier
 
@@ -51,6 +51,9 @@ MODE_KEYS = "tensorflow/tensorflow v1.15.0 tensorflow/python/saved_model/model_u
 STRATEGY = ("tensorflow/tensorflow v2.9 tensorflow/python/distribute/tpu_strategy.py (TPUStrategyV2, TPUExtended) "
             "and distribute_lib.py (Strategy, StrategyExtendedV2); v1.15.0 tpu_strategy.py (experimental "
             "TPUStrategy: device_assignment, steps_per_run) and distribute_lib.py (StrategyV1, StrategyExtendedV1)")
+
+INPUT_LIB = ("tensorflow/tensorflow v2.9 tensorflow/python/distribute/input_lib.py (DistributedDatasetInterface, "
+             "DistributedIteratorInterface) and distribute_lib.py (InputOptions)")
 
 TRAINING = ("tensorflow/estimator v1.15.0 tensorflow_estimator/python/estimator/training.py (train_and_evaluate, "
             "TrainSpec, EvalSpec; TrainSpec's saving_listeners since 2.0) and exporter.py (LatestExporter, "
@@ -175,6 +178,10 @@ TENSORFLOW = {
     "TPUStrategy.distribute_datasets_from_function(...)": (STRATEGY, ["dataset_fn", "options"]),
     "TPUStrategy.experimental_distribute_datasets_from_function(...)": (STRATEGY, ["dataset_fn", "options"]),
     "TPUStrategy.experimental_distribute_values_from_function(...)": (STRATEGY, ["value_fn"]),
+    "DistributedDataset": (INPUT_LIB, ["element_spec", "reduce()"]),
+    "DistributedIterator": (INPUT_LIB, ["get_next()", "get_next_as_optional()", "element_spec"]),
+    "InputOptions(...)": (INPUT_LIB, ["experimental_fetch_to_device", "experimental_replication_mode",
+                                      "experimental_place_dataset_on_device", "experimental_per_replica_buffer_size"]),
     "TPUStrategy.extended": (STRATEGY, [
         "steps_per_run", "num_hosts", "num_replicas_per_host", "worker_devices", "parameter_devices",
         "experimental_require_static_shapes", "experimental_between_graph", "experimental_should_init",
@@ -233,6 +240,9 @@ KERAS_TPU = {
     "FinalExporter": tpu_estimator.FinalExporter,
     "TPUStrategy": keras_tpu.TPUStrategy,
     "TPUStrategy.extended": tpu_strategy.TPUExtended,
+    "DistributedDataset": per_replica.DistributedDataset,
+    "DistributedIterator": per_replica.DistributedIterator,
+    "InputOptions": keras_tpu.InputOptions,
     # keras_tpu.train: each optimizer's constructor; "Optimizer" is what the five share (TF 1's base class).
     **{name: getattr(keras_tpu.train, name) for name in (
         "GradientDescentOptimizer", "MomentumOptimizer", "AdamOptimizer", "AdagradOptimizer", "RMSPropOptimizer",
@@ -338,6 +348,8 @@ def instances(tmp_path_factory):
         "ModeKeys": ModeKeys,
         "TPUStrategy": strategy,
         "TPUStrategy.extended": strategy.extended,
+        "DistributedDataset": strategy.experimental_distribute_dataset([np.ones((8, 2))]),
+        "DistributedIterator": iter(strategy.experimental_distribute_dataset([np.ones((8, 2))])),
         "Optimizer": keras_tpu.train.AdamOptimizer(),
     }
 

@@ -163,7 +163,7 @@ def test_a_custom_training_loop_with_run_reduce_and_grad():
             losses.append(float(strategy.reduce("MEAN", loss)))
     assert np.mean(losses[-4:]) < 0.6 * np.mean(losses[:4])
     (program,) = strategy._run_programs.values()  # one compiled program for all 60 steps
-    jaxpr = str(jax.make_jaxpr(program)([*trainable], [jax.tree.map(lambda a: a[:, :8], batch.stacked)]))
+    jaxpr = str(jax.make_jaxpr(program)([*trainable], [part.stacked[:, :8] for part in batch]))  # (features, labels)
     assert "mxu_dot_general" in jaxpr and " dot_general[" not in jaxpr
 
 
@@ -339,7 +339,8 @@ def test_the_tpu_guides_replica_step_compiles_once_and_trains_as_the_cpu():
     np.testing.assert_allclose(losses, cpu_losses, rtol=1e-5)
     assert_weights_close(model.get_weights(), cpu.get_weights(), atol=1e-5)
 
-    sharded = [strategy._rows_by_replica(next(iter(strategy.experimental_distribute_dataset(batches[:1]))).stacked)]
+    sharded = [strategy._rows_by_replica(part.stacked)
+               for part in next(iter(strategy.experimental_distribute_dataset(batches[:1])))]
     jaxpr = jax.make_jaxpr(program.nested_program)([v.value for v in program.variables], [], sharded)
     products = [o.eqn for o in rewrite.walk(jaxpr, lambda e: e.primitive.name.startswith("mxu_"))]
     dots = [tuple(e.outvars[0].aval.shape) for e in products if e.primitive.name == "mxu_dot_general"]
@@ -416,3 +417,50 @@ def test_a_replica_function_that_would_not_fit_a_core_fails_before_it_runs(monke
     strategy.run(train_step, args=(fits,))
     assert int(optimizer.iterations.value) == 1
     assert "replica function 'train_step' needs 0.0 of 8.0 GiB HBM per core" in caplog.text
+
+
+def test_distributed_batches_unpack_iterate_and_print_as_tensorflows(strategy):
+    """The TF "Distributed input" tutorial's ways with a distributed dataset: an element is the batch's structure
+    with a PerReplica at each leaf; iterators have get_next, get_next_as_optional and element_spec; a dataset's
+    element_spec leaves a generator's first batch for the loop; PerReplica prints each replica's part."""
+    x, y = np.arange(20, dtype=np.float32).reshape(10, 2), np.arange(10)
+    dataset = strategy.experimental_distribute_dataset([(x[:8], y[:8]), (x[8:], y[8:])])
+    features, labels = next(iter(dataset))
+    assert labels.values[3].tolist() == [3] and features.values[3].tolist() == [[6.0, 7.0]]
+    assert dataset.element_spec[0].shape == (1, 2) and dataset.element_spec[1].dtype == y.dtype
+    iterator, seen = iter(dataset), []
+    assert iterator.element_spec[1].shape == (1,)   # (peeks: the element is still the next one)
+    while True:
+        optional = iterator.get_next_as_optional()
+        if not optional.has_value():
+            break
+        seen.append(strategy.gather(strategy.run(lambda f, l: f[:, 0] + l, args=optional.get_value()), axis=0))
+    np.testing.assert_array_equal(np.concatenate(seen), x[:, 0] + y)
+    assert seen[1].shape == (2,)  # the partial batch: two replicas of one row, the rest none
+    with pytest.raises(keras_tpu.OutOfRangeError, match="End of sequence"):
+        iterator.get_next()
+    with pytest.raises(keras_tpu.OutOfRangeError):
+        optional.get_value()
+    by_name = next(iter(strategy.experimental_distribute_dataset([{"image": x[:8], "label": y[:8]}])))
+    assert sorted(by_name) == ["image", "label"] and by_name["label"].values[7].tolist() == [7]
+    assert repr(labels).startswith("PerReplica:{\n  0: array([0])") and "  7: array([7])\n}" in repr(labels)
+
+    generator = strategy.experimental_distribute_dataset(x[i:i + 8] for i in (0, 8))
+    assert generator.element_spec.shape == (1, 2)
+    assert [batch.rows for batch in generator] == [None, (1, 1, 0, 0, 0, 0, 0, 0)]  # nothing lost to the spec
+    assert dataset.reduce(0.0, lambda total, batch: total + float(strategy.reduce("SUM", batch[1], axis=0))) == 45
+
+
+def test_input_options_per_replica_call_dataset_fn_once_per_replica(strategy):
+    calls = []
+
+    def dataset_fn(context):
+        calls.append((context.num_input_pipelines, context.input_pipeline_id))
+        return [np.full((2, 1), 10 * step + context.input_pipeline_id, np.float32) for step in range(3)]
+
+    options = keras_tpu.InputOptions(experimental_replication_mode=keras_tpu.InputReplicationMode.PER_REPLICA)
+    steps = list(strategy.distribute_datasets_from_function(dataset_fn, options))
+    assert calls == [(8, replica) for replica in range(8)] and len(steps) == 3
+    assert [float(part[0, 0]) for part in steps[2].values] == [20.0 + replica for replica in range(8)]
+    with pytest.raises(ValueError, match="only supported in distribute_datasets_from_function"):
+        strategy.experimental_distribute_dataset([np.ones((8, 1))], options)
