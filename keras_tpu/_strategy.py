@@ -646,7 +646,8 @@ class TPUStrategy:
 
     def reduce(self, reduce_op, value, axis=None):
         """Combine a per-replica value: ``"SUM"`` or ``"MEAN"`` over replicas (and over ``axis``
-        of each replica's value, if given).
+        of each replica's value, if given). A plain value is the same on every replica; as in
+        TensorFlow, it cannot be summed with ``axis=None`` (except 0).
 
         Example:
             >>> TPUStrategy().reduce("MEAN", PerReplica(np.arange(8.0)))
@@ -656,6 +657,10 @@ class TPUStrategy:
 
         def reduce_leaf(leaf):
             if not isinstance(leaf, PerReplica):  # the same value on every replica
+                if axis is None and op is ReduceOp.SUM and not (np.isscalar(leaf) and leaf == 0):
+                    # As TensorFlow's reduce_non_distributed_value: it cannot tell what such a sum would mean.
+                    raise ValueError(f"A non-DistributedValues value {leaf!r} cannot be reduced with ReduceOp.SUM: "
+                                     f"pass what strategy.run returned (a PerReplica), or use MEAN.")
                 replicas = self.num_replicas_in_sync
                 leaf = PerReplica(jnp.broadcast_to(leaf, (replicas,) + jnp.shape(leaf)))
             return reduce_over_replicas(leaf, op.value, axis)

@@ -127,6 +127,10 @@ def test_run_reduce_and_distribute_dataset(strategy):
     rows = strategy.run(lambda x, scale: x * scale, args=(per_replica, 2.0))
     np.testing.assert_allclose(strategy.reduce("MEAN", rows, axis=0), 2 * batches[0].mean(axis=0))
     np.testing.assert_allclose(np.concatenate(strategy.experimental_local_results(rows)), 2 * batches[0])
+    # A plain value is the same on every replica: its mean is itself, and (as in TensorFlow) it has no sum.
+    assert float(strategy.reduce("MEAN", 2.0)) == 2.0 and float(strategy.reduce("SUM", 0)) == 0
+    with pytest.raises(ValueError, match="non-DistributedValues value 2.0 cannot be reduced with ReduceOp.SUM"):
+        strategy.reduce("SUM", 2.0)
     # 12 rows do not divide over 8 replicas: TensorFlow's split, the first four get one row more.
     (uneven,) = strategy.experimental_distribute_dataset([batches[0][:12]])
     assert uneven.rows == (2, 2, 2, 2, 1, 1, 1, 1)
