@@ -241,8 +241,14 @@ def rows_interact(model, trainable, non_trainable, x):
         logger.debug("%s did not run on two rows (%s: %s); taken as a model whose rows do not interact.",
                      model.name, type(error).__name__, error)
         return False
-    return not all(np.array_equal(np.asarray(a)[0], np.asarray(b)[0], equal_nan=True)
-                   for a, b in zip(tree.flatten(with_other), tree.flatten(with_padding)))
+    outputs = list(zip(tree.flatten(with_other), tree.flatten(with_padding)))
+    if any(np.ndim(a) == 0 or np.shape(a)[0] != 2 for a, _ in outputs):
+        # Not one output row per input row (a readout that pools groups of rows, as keras.io's MPNN pools atoms
+        # into molecules): each output depends on several rows, which the cores' split would regroup.
+        logger.debug("%s returns outputs of shapes %s for 2 rows: taken as a model whose rows interact.",
+                     model.name, [np.shape(a) for a, _ in outputs])
+        return True
+    return not all(np.array_equal(np.asarray(a)[0], np.asarray(b)[0], equal_nan=True) for a, b in outputs)
 
 
 def state_change_kinds(model, trainable, non_trainable, x, variables):

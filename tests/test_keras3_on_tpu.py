@@ -439,6 +439,33 @@ def test_whether_rows_interact_is_found_by_running_two_rows():
     assert any(custom_steps.runs_own_code(layer) for layer in wrapped._flatten_layers())
 
 
+def grouped_readout():
+    """keras.io's MPNN readout, reduced: each output row pools a group of 4 input rows (atoms into molecules)."""
+    def pool(v):
+        rows = keras.ops.shape(v)[0]
+        return keras.ops.segment_sum(v, keras.ops.arange(rows) // 4, num_segments=rows // 4) / 4
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Lambda(pool)(hidden)))
+
+
+@pytest.mark.parametrize("front_end", ["TPUStrategy", "keras_to_tpu_model"])
+def test_a_model_with_fewer_output_rows_than_input_rows_has_rows_that_interact(front_end):
+    """Two rows give no output row: not one output per row, so the rows interact (the check used to index the
+    missing row and fail predict). Each core's 4 rows make one output row, as on the CPU."""
+    rows = np.random.default_rng(0).normal(size=(64, 3)).astype("float32")
+    assert custom_steps.rows_interact(grouped_readout(), [], [], rows)
+    if front_end == "TPUStrategy":
+        with keras_tpu.TPUStrategy(precision="highest").scope():
+            model = grouped_readout()
+    else:
+        model = keras_tpu.keras_to_tpu_model(grouped_readout(), keras_tpu.TPUDistributionStrategy(precision="highest"))
+    np.testing.assert_allclose(model.predict(rows, batch_size=32, verbose=0),
+                               grouped_readout().predict(rows, batch_size=32, verbose=0), rtol=1e-5, atol=1e-6)
+
+
 class TotalAbsoluteError(keras.metrics.Metric):
     """A user's metric as often written: it sums what it is given and ignores ``sample_weight``."""
 
