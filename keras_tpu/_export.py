@@ -17,6 +17,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from keras_tpu import _files
@@ -86,6 +87,27 @@ def export_model(model, path, precision="default", pod_sync=False):
     return path
 
 
+def _rows_merged_under_vmap(call):
+    """``call(trainable, non_trainable, *inputs)`` (an exported inference function, any batch size), which
+    ``jax.vmap`` (``strategy.run``'s cores) maps by running it once on every core's rows together: JAX has no
+    batching rule for an exported function, and its batch axis takes the cores' rows as they are."""
+    mapped = jax.custom_batching.custom_vmap(call)
+
+    @mapped.def_vmap
+    def rule(axis_size, in_batched, trainable, non_trainable, *inputs):
+        if any(jax.tree.leaves(in_batched[:2])):
+            raise ValueError("An exported model maps over the cores with the same weights on every core only.")
+        def merged(a, batched):  # (cores, rows, ...) -> (cores * rows, ...)
+            a = a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
+            return a.reshape((-1,) + a.shape[2:])
+
+        out = call(trainable, non_trainable, *[merged(a, batched) for a, batched in zip(inputs, in_batched[2:])])
+        return (jax.tree.map(lambda a: a.reshape((axis_size, -1) + a.shape[1:]), out),
+                jax.tree.map(lambda _: True, out))
+
+    return mapped
+
+
 class ExportedModel:
     """A loaded export: call it with input arrays (any batch size) to get predictions."""
 
@@ -100,6 +122,7 @@ class ExportedModel:
         # Compiled as keras-tpu's own programs are: XLA's default would let it drop the MXU's bf16 roundings
         # where it fuses them with a reduction (see keras_tpu.mxu._kernels.compiler_options).
         self._predict = jax.jit(self.exported.call, compiler_options=kernels.compiler_options("predict"))
+        self._traced_call = _rows_merged_under_vmap(self.exported.call)
         with np.load(os.path.join(path, WEIGHTS)) as weights:
             self.trainable = [weights[f"t{i}"] for i in range(self.meta["trainable"])]
             self.non_trainable = [weights[f"n{i}"] for i in range(self.meta["non_trainable"])]
@@ -114,13 +137,17 @@ class ExportedModel:
             inputs = [inputs[0][name] for name in self.input_names]
         if len(inputs) != len(specs):
             raise ValueError(f"This export takes {len(specs)} input(s) {self.input_names}; got {len(inputs)}.")
+        # Traced (strategy.run, the user's jax.jit): the exported function is traced into that program.
+        traced = any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(inputs))
         arrays = []
         for array, spec in zip(inputs, specs):
-            array = np.asarray(array, dtype=spec["dtype"])
+            array = (jnp.asarray if traced else np.asarray)(array, dtype=spec["dtype"])
             if tuple(array.shape[1:]) != tuple(spec["shape"]):
                 raise ValueError(f"Input {spec['name']!r} must have shape (batch, {', '.join(map(str, spec['shape']))})"
                                  f"; got {array.shape}.")
             arrays.append(array)
+        if traced:
+            return self._traced_call(self.trainable, self.non_trainable, *arrays)
         return jax.tree.map(np.asarray, self._predict(self.trainable, self.non_trainable, *arrays))
 
 

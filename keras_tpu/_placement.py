@@ -22,6 +22,7 @@ import types
 from keras_tpu import _keras_private, _validation as validation, _weights as weights
 from keras_tpu._cluster import TPUClusterResolver, initialize_tpu_system
 from keras_tpu._cores import CoreLayout
+from keras_tpu._logging import logger
 from keras_tpu.mxu._numerics import canonical_precision
 from keras_tpu._replicated_steps import ReplicatedSteps, program_rule
 
@@ -186,7 +187,21 @@ def _save(model, filepath, overwrite=True, **kwargs):
     weights.save_model(model, filepath, overwrite=overwrite, **kwargs)
 
 
-_FILE_METHODS = {"load_weights": _load_weights, "save_weights": _save_weights, "save": _save}
+def _export(model, filepath, format="tf_saved_model", **kwargs):
+    """Keras' ``export`` of a model on the TPU: its inference function on the MXU, at the placement's precision,
+    written with ``jax.export`` (:func:`keras_tpu.load_exported` loads it, no model code needed). Keras' default,
+    a TensorFlow SavedModel, needs TensorFlow, which keras_tpu does not use; other formats are Keras' own."""
+    if format != "tf_saved_model":
+        return type(model).export(model, filepath, format=format, **kwargs)  # Keras explains
+    from keras_tpu._export import export_model  # (``verbose``, ``input_signature``: no effect here)
+
+    export_model(model, str(filepath), installed_on(model).placement.precision, pod_sync=True)
+    logger.info("Exported the inference function of %r (MXU numerics) to %s with jax.export; "
+                "keras_tpu.load_exported loads it.", model.name, filepath)
+    return filepath
+
+
+_FILE_METHODS = {"load_weights": _load_weights, "save_weights": _save_weights, "save": _save, "export": _export}
 
 
 def _model_methods(placement):

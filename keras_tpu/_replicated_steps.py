@@ -131,6 +131,23 @@ def rows_independent_at_inference(model):
     return all(_row_wise_at_inference(layer) for layer in model.layers)
 
 
+def _refuse_overwritten_by_gradient(model):
+    """Refuse a training step that runs core by core for a model whose layers overwrite variables with their
+    "gradient" (``overwrite_with_gradient``: float8 training's running maxima and scales of the batch's values).
+    The cores' values would be combined as gradients are, summed or averaged, not as the batch's maximum: the
+    scales grew to 1e21 in a keras.io float8 recipe and its training stalled."""
+    overwritten = [v.path for v in model.trainable_variables if getattr(v, "overwrite_with_gradient", False)]
+    if overwritten:
+        raise NotImplementedError(
+            f"{model.name!r} has variables its layers overwrite with their gradient ({', '.join(overwritten[:3])}"
+            f"{', ...' if len(overwritten) > 3 else ''}): float8 training's scaling state "
+            f"(model.quantize(\"float8\")), a maximum over the batch's rows. This model trains core by core on "
+            f"the simulated TPU, where those values would be combined as gradients are, not as the batch's "
+            f"maximum. Train it without float8 and call model.quantize(\"float8\") afterwards (inference runs "
+            f"exactly), or train it on one core "
+            f"(keras_to_tpu_model(model, TPUDistributionStrategy(using_single_core=True))).")
+
+
 def rows_independent_in_training(model):
     """Whether each row's loss in a training step of ``model`` depends on that row alone (and the weights).
 
@@ -1014,6 +1031,8 @@ class ReplicatedSteps:
                 layout.local_core_ids())
             return jnp.sum(losses) / units, aux
 
+        if not merged and layout.num_cores > 1:
+            _refuse_overwritten_by_gradient(model)
         looped = not merged and self._cores_looped(trainable, non_trainable, x)
         if merged:
             (_, (unscaled, y_pred, new_non_trainable)), grads = jax.value_and_grad(device_loss, has_aux=True)(

@@ -296,11 +296,14 @@ class KerasTPUModel(keras.Model):
         if callable(validation_data) and not hasattr(validation_data, "__iter__"):
             validation_data, _ = self._resolve_data(validation_data, None, validation_steps, "validation_steps",
                                                     "validation_data")
-        return self._keras_method("fit")(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
-                           validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
-                           class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
-                           steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
-                           validation_batch_size=validation_batch_size, validation_freq=validation_freq)
+        history = self._keras_method("fit")(
+            x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
+            validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
+            class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+            validation_batch_size=validation_batch_size, validation_freq=validation_freq)
+        history.history = TF1MetricNames(history.history)
+        return history
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,
                  callbacks=None, max_queue_size=10, workers=1, use_multiprocessing=False, return_dict=False,
@@ -432,8 +435,9 @@ class KerasTPUModel(keras.Model):
 
     def _host_variables(self):
         variables = list(self._cpu_model.variables)
-        if self.optimizer is not None and self.optimizer.built:
-            variables += list(self.optimizer.variables)
+        optimizer = getattr(self, "optimizer", None)  # (a model converted for inference is never compiled)
+        if optimizer is not None and optimizer.built:
+            variables += list(optimizer.variables)
         return variables
 
     def sync_to_cpu(self):
@@ -517,6 +521,31 @@ class KerasTPUModel(keras.Model):
                            **kwargs)
 
 
+class TF1MetricNames(dict):
+    """A ``History.history`` that also answers to TF 1.x's names of the accuracy logs: ``metrics=["accuracy"]``
+    logged ``acc`` and ``val_acc`` there, ``accuracy`` and ``val_accuracy`` in Keras 3. TF 1.x notebooks plot
+    ``history.history["acc"]`` right after ``fit``.
+
+    Example:
+        >>> logs = TF1MetricNames({"accuracy": [0.5], "val_accuracy": [0.4]})
+        >>> logs["acc"], "val_acc" in logs, list(logs)
+        ([0.5], True, ['accuracy', 'val_accuracy'])
+    """
+
+    NAMES = {"acc": "accuracy", "val_acc": "val_accuracy"}
+
+    def __missing__(self, key):
+        if key in self.NAMES and self.NAMES[key] in self:
+            return self[self.NAMES[key]]
+        raise KeyError(key)
+
+    def __contains__(self, key):
+        return super().__contains__(key) or (key in self.NAMES and super().__contains__(self.NAMES[key]))
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+
 def _check_save_format(save_format, filepath, formats, alternative):
     if save_format is None:
         return
@@ -547,7 +576,8 @@ def keras_to_tpu_model(model, strategy=None):
         raise TypeError(f"keras_to_tpu_model needs a Keras model (keras.Model, keras.Sequential or a subclass); "
                         f"got {type(model).__module__}.{type(model).__name__}.")
     if isinstance(model, KerasTPUModel) or installed_on(model) is not None:
-        raise ValueError("This model already runs on the TPU.")
+        raise ValueError("This model already runs on the TPU (it was created under a TPUStrategy scope, or converted "
+                         "before): call its fit, evaluate, predict, save_weights and export directly.")
     if strategy is None:
         strategy = TPUDistributionStrategy()
     if not isinstance(strategy, TPUDistributionStrategy):

@@ -1123,3 +1123,31 @@ def test_recompiling_with_another_reduction_weighs_the_new_loss():
             model.compile("sgd", keras.losses.MeanSquaredError(reduction=reduction))
         assert tpu.evaluate(x, y, sample_weight=weights, batch_size=32, verbose=0) == pytest.approx(
             cpu.evaluate(x, y, sample_weight=weights, batch_size=32, verbose=0), rel=2e-6), reduction
+
+
+def float8_einsum_model():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.EinsumDense("ab,bc->ac", output_shape=4, bias_axes="c")])
+    model.quantize("float8")
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    return model
+
+
+def test_float8_training_core_by_core_is_refused_and_trains_on_one_core_as_on_the_cpu():
+    """Float8 training overwrites its scaling state (running maxima of the batch's values) with its "gradient":
+    combined over the cores as gradients, they were the cores' sum (19.5 against the batch's 2.9)."""
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((64, 16)).astype("float32"), rng.standard_normal((64, 4)).astype("float32")
+    with keras_tpu.TPUStrategy(precision="highest").scope():
+        model = float8_einsum_model()
+    with pytest.raises(NotImplementedError, match=r"overwrite with their gradient.*model.quantize\(\"float8\"\) "
+                                                  r"afterwards.*using_single_core=True"):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    cpu, single = float8_einsum_model(), float8_einsum_model()
+    cpu.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    tpu = keras_tpu.keras_to_tpu_model(single, keras_tpu.TPUDistributionStrategy(using_single_core=True,
+                                                                                  precision="highest"))
+    tpu.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    tpu.sync_to_cpu()
+    for a, b in zip(cpu.weights, single.weights):
+        np.testing.assert_allclose(np.asarray(a, "float32"), np.asarray(b, "float32"), rtol=1e-5, atol=1e-6)

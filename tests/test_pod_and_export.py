@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import keras
 import numpy as np
 import pytest
 
@@ -205,6 +206,40 @@ def test_an_exported_convolutional_model_keeps_the_mxu_roundings(tmp_path, monke
     if "__ynn" not in loaded._predict.lower(loaded.trainable, loaded.non_trainable, x).compile().as_text():
         pytest.skip("XLA:CPU did not fuse the program into YNNPACK here")
     assert np.mean(np.abs(loaded(x) - want)) / scale > 1e-4
+
+
+def test_a_tpu_strategy_models_export_and_a_loaded_export_under_strategy_run(tmp_path, caplog):
+    """TF 2's save-and-load tutorial: a model built under TPUStrategy exports with Keras 3's ``model.export(path)``
+    (a TensorFlow SavedModel there, keras_tpu's jax.export here), and the loaded function runs on each replica's
+    rows inside strategy.run."""
+    x, y = classification_data(64)
+    strategy = keras_tpu.TPUStrategy()
+    with strategy.scope():
+        model = small_classifier()
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    with caplog.at_level("INFO", logger="keras_tpu"):
+        assert model.export(str(tmp_path / "exported")) == str(tmp_path / "exported")
+    assert "keras_tpu.load_exported loads it" in caplog.text
+    loaded = keras_tpu.load_exported(str(tmp_path / "exported"))
+    want = model.predict(x, batch_size=32, verbose=0)
+    np.testing.assert_allclose(loaded(x), want, rtol=1e-5, atol=1e-6)
+    batch = next(iter(strategy.experimental_distribute_dataset([x[:44]])))  # 6, 6, 6, 6, 5, 5, 5, 5 rows
+    got = strategy.gather(strategy.run(loaded, args=(batch,)), axis=0)
+    np.testing.assert_allclose(got, want[:44], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="already runs on the TPU.*call its fit, evaluate, predict"):
+        keras_tpu.keras_to_tpu_model(model)
+
+
+def test_a_model_converted_without_compiling_gives_its_weights_and_exports(tmp_path):
+    """keras_to_tpu_model of a model only to predict and export it: no optimizer to copy back."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])   # never compiled
+    tpu = keras_tpu.keras_to_tpu_model(model)
+    x = classification_data(16)[0]
+    assert len(tpu.get_weights()) == len(model.get_weights()) and tpu.sync_to_cpu() is model
+    tpu.save_weights(str(tmp_path / "w.weights.h5"))
+    loaded = keras_tpu.load_exported(tpu.export(str(tmp_path / "exported")))
+    np.testing.assert_allclose(loaded(x), tpu.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 
 
 def test_estimator_export_saved_model(tmp_path):

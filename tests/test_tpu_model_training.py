@@ -558,3 +558,14 @@ def test_single_core_strategy():
     tpu.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     reference.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     assert_weights_close(tpu.get_weights(), reference.get_weights(), atol=1e-6)
+
+
+def test_fit_history_answers_to_tf1_accuracy_names():
+    """TF 1.x logged metrics=["accuracy"] as acc and val_acc; its notebooks plot history.history["acc"]."""
+    x, y = classification_data(64)
+    tpu = on_tpu(small_classifier(metrics=["accuracy"]))
+    logs = tpu.fit(x, y, batch_size=16, epochs=2, validation_split=0.25, verbose=0).history
+    assert logs["acc"] == logs["accuracy"] and logs.get("val_acc") == logs["val_accuracy"] and len(logs["acc"]) == 2
+    assert "acc" in logs and "loss_acc" not in logs and sorted(logs) == ["accuracy", "loss", "val_accuracy", "val_loss"]
+    with pytest.raises(KeyError):
+        logs["top_k_acc"]
