@@ -1072,7 +1072,7 @@ class _RunProgram:
         if self.accelerator_type is None:  # a CPU placement has no HBM
             return
         leaves = jax.tree.leaves((values, replicated, sharded))
-        signature = tuple((jnp.shape(a), jnp.result_type(a)) for a in leaves)
+        signature = _signature(values, replicated, sharded)
         if signature in self._hbm_checked:
             return
         compiling = None
@@ -1117,7 +1117,8 @@ class _RunProgram:
                 "TPU program, as @tf.function does.")
         for variable, value in zip(self.written, combined):
             variable.assign(value)
-        output_rows = self._output_rows.get(_signature(replicated, sharded))
+        # (Only a ragged program records its outputs' rows: an even one's steps skip the lookup.)
+        output_rows = self._output_rows.get(_signature(replicated, sharded)) if self._output_rows else None
         if output_rows is None:
             return jax.tree.map(PerReplica, outputs)
         leaves, treedef = jax.tree.flatten(outputs)
