@@ -71,6 +71,13 @@
   rows alone, as the CPU's smaller batch does. ``BatchNormalization``
   computes them in ``_moments``, which takes a Keras mask per position but no
   weight per row, and no public API reaches it.
+* ``batches_adapter``: a distributed dataset reaches Keras' ``fit``,
+  ``evaluate`` and ``predict`` as its global batches, a new pass each epoch.
+  Keras takes a ``DataAdapter`` in place of data (``get_data_adapter``
+  returns it as it is), but exports neither that class nor its adapter of
+  Python generators (``GeneratorDataAdapter``), whose iterators, specs and
+  conversions the adapter here reuses: a generator is read once, so the
+  generator function becomes one that starts a new pass.
 * ``optimizers_apply``: a step written by the user (a custom ``train_step``,
   ``strategy.run``'s replica function) applies gradients itself; on a TPU its
   optimizer applies the cores' all-reduced gradients. Keras has no hook
@@ -90,6 +97,7 @@ from jax.extend import core as jex_core
 from keras import StatelessScope
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 from keras.src.legacy.saving import legacy_h5_format as legacy_h5  # noqa: F401  (re-exported)
+from keras.src.trainers.data_adapters.generator_data_adapter import GeneratorDataAdapter
 from keras.src.trainers.trainer import Trainer
 
 from keras_tpu._logging import logger
@@ -810,3 +818,32 @@ def initialize_deferred_variables():
     from keras.src.backend.common.variables import initialize_all_variables
 
     initialize_all_variables()
+
+
+class _PassesAdapter(GeneratorDataAdapter):
+    """Keras' adapter of a Python generator's batches, for batches read again each epoch: ``new_pass()``
+    returns a generator of one pass (``GeneratorDataAdapter`` calls its ``generator`` attribute for each
+    iterator it makes). Keras' ``__init__`` is not run: it reads a generator's first batches to keep them."""
+
+    def __init__(self, new_pass, first_batch, num_batches):
+        self.generator = new_pass
+        self._first_batches = [first_batch]  # (the specs of get_tf_dataset)
+        self._output_signature = None
+        self._num_batches = num_batches
+
+    @property
+    def num_batches(self):
+        return self._num_batches
+
+
+def batches_adapter(new_pass, first_batch, num_batches=None):
+    """A Keras data adapter (what ``fit``/``evaluate``/``predict`` take as ``x``, and ``validation_data``) of
+    the batches ``new_pass()`` gives, a new pass for each epoch; ``first_batch`` is the first pass's first
+    batch, ``num_batches`` the batches of a pass (``None``: until the pass ends).
+
+    Example:
+        >>> adapter = batches_adapter(lambda: iter([(np.ones((2, 3)), np.zeros(2))]), (np.ones((2, 3)), np.zeros(2)))
+        >>> [len(list(adapter.get_numpy_iterator())) for _ in range(2)]
+        [1, 1]
+    """
+    return _PassesAdapter(new_pass, first_batch, num_batches)

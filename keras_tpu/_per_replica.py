@@ -8,7 +8,10 @@ replicas, or a partial last batch, leaves some replicas fewer rows and some
 none (TensorFlow's "dummy batches of batch size 0"). Such a value is
 *ragged*: its arrays are padded with zeros to the largest part, and
 :attr:`PerReplica.rows` says how many rows of each part are real.
-:func:`replica_row_counts` is TensorFlow's split of a global batch.
+:func:`replica_row_counts` is TensorFlow's split of a global batch, and
+:func:`join_replicas` joins an element's parts back into the global batch:
+:class:`GlobalBatches` gives a distributed dataset to Keras' ``fit``,
+``evaluate`` and ``predict`` as those global batches.
 """
 
 import dataclasses
@@ -312,12 +315,25 @@ class DistributedDataset:
     one replica.
     """
 
-    def __init__(self, make_iterator, description, one_shot=False):
+    def __init__(self, make_iterator, description, one_shot=False, strategy=None, count_elements=None):
         self._make_iterator = make_iterator
         self._description = description
         self._one_shot = one_shot  # a generator: what element_spec reads must still be given to the next pass
         self._kept = []
         self._element_spec = None
+        self.strategy = strategy  # the TPUStrategy that distributed it (whose models' fit takes it)
+        self._count_elements = count_elements
+
+    @property
+    def one_shot(self):
+        """Whether the dataset can be read only once (it distributes a Python generator): each pass goes on
+        where the last stopped."""
+        return self._one_shot
+
+    def num_elements(self):
+        """The elements a pass gives, where the underlying data says (``len()``, a ``keras.utils.PyDataset``'s
+        ``num_batches``); ``None`` if it does not (a generator)."""
+        return None if self._count_elements is None or self._one_shot else self._count_elements()
 
     def __iter__(self):
         kept, self._kept = self._kept, []
@@ -352,3 +368,98 @@ class DistributedDataset:
 
     def __repr__(self):
         return f"DistributedDataset({self._description})"
+
+
+def batches_in(data):
+    """How many batches iterating ``data`` gives, where it says: ``len()``, or a ``keras.utils.PyDataset``'s
+    ``num_batches``; ``None`` if it does not say (a generator, an endless PyDataset).
+
+    Example:
+        >>> batches_in([np.ones((4, 2))] * 3), batches_in(iter([]))
+        (3, None)
+    """
+    try:
+        if isinstance(getattr(type(data), "num_batches", None), property):  # (a PyDataset: len() is optional)
+            return data.num_batches
+        return len(data)
+    except (TypeError, NotImplementedError):
+        return None
+
+
+def join_replicas(element):
+    """A distributed dataset's element (its batch's structure with a ``PerReplica`` at each leaf) as one global
+    batch: each leaf's parts joined in replica order, each part's real rows only (a replica with no rows adds
+    none). It undoes :func:`split_rows`.
+
+    Example:
+        >>> element = split_rows((np.arange(12.0).reshape(6, 2), np.arange(6)), [3, 2, 1, 0])
+        >>> features, labels = join_replicas(element)
+        >>> features.shape, labels.tolist()
+        ((6, 2), [0, 1, 2, 3, 4, 5])
+    """
+    def join(value):
+        if not is_per_replica(value):
+            return value
+
+        def joined(stacked):
+            stacked = np.asarray(stacked)
+            if stacked.ndim < 2:
+                raise ValueError(
+                    f"An element of the distributed dataset holds a scalar on each replica ({stacked.shape[0]} "
+                    f"values): a scalar has no rows to join into the global batch that fit, evaluate and predict "
+                    f"take. Give each array of a batch one value per row (axis 0), or read the dataset in a custom "
+                    f"loop with strategy.run.")
+            if value.rows is None:
+                return stacked.reshape((-1,) + stacked.shape[2:])
+            return np.concatenate([stacked[replica, :rows] for replica, rows in enumerate(value.rows)])
+
+        return jax.tree.map(joined, value.stacked)
+
+    return jax.tree.map(join, element, is_leaf=is_per_replica)
+
+
+class GlobalBatches:
+    """A :class:`DistributedDataset`'s elements as the global batches they split (:func:`join_replicas`): what
+    Keras' ``fit``, ``evaluate`` and ``predict`` read from a distributed dataset, the replicas' parts joined
+    in replica order, as one batch (the model's programs split it over the cores again).
+
+    :meth:`new_pass` starts a pass over the dataset (one per epoch). A one-shot
+    dataset (over a Python generator) is one stream: the first batch, once
+    read by :meth:`first` (or by Keras' look at the first batch before the
+    loop), is given again at the start of each pass until a pass reads past
+    it.
+
+    Example:
+        >>> dataset = DistributedDataset(lambda: iter([split_rows(np.ones((6, 2)), [3, 3])] * 2), "two batches")
+        >>> [batch.shape for batch in GlobalBatches(dataset).new_pass()]
+        [(6, 2), (6, 2)]
+    """
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self._first = []  # (a one-shot dataset) its first batch, read but not yet consumed by a pass
+
+    def first(self):
+        """The first global batch; ``None`` if the dataset has no elements."""
+        if self._first:
+            return self._first[0]
+        element = next(iter(self.dataset), None)
+        if element is None:
+            return None
+        batch = join_replicas(element)
+        if self.dataset.one_shot:
+            self._first = [batch]
+        return batch
+
+    def new_pass(self):
+        """A generator of the global batches of a new pass over the dataset."""
+        if self._first:
+            yield self._first[0]
+            self._first = []  # (runs when the batch after it is asked for: the pass has consumed the first)
+        for element in self.dataset:
+            yield join_replicas(element)
+
+    @property
+    def num_batches(self):
+        """The batches of a pass, where the dataset says (:meth:`DistributedDataset.num_elements`), else None."""
+        return self.dataset.num_elements()

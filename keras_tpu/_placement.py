@@ -14,15 +14,25 @@ programs: Keras' ``make_train_function``/``make_test_function``/
 ``evaluate`` and ``predict`` loops run on the TPU. (Keras 3's
 ``keras.distribution.Distribution`` plays the same role for its own
 data-parallel layouts: one object the trainer asks for placement.)
+
+A ``TPUStrategy`` model's ``fit``, ``evaluate`` and ``predict`` also take the
+strategy's distributed datasets (``x``, and ``fit``'s ``validation_data``), as
+TensorFlow's Keras does: :func:`distributed_datasets_as_batches` gives Keras
+their global batches, and refuses the arguments TensorFlow refuses with them.
 """
 
 import dataclasses
+import inspect
 import types
+
+import jax
+import keras
 
 from keras_tpu import _keras_private, _validation as validation, _weights as weights
 from keras_tpu._cluster import TPUClusterResolver, initialize_tpu_system
 from keras_tpu._cores import CoreLayout
 from keras_tpu._logging import logger
+from keras_tpu._per_replica import DistributedDataset, DistributedIterator, GlobalBatches, PerReplica
 from keras_tpu.mxu._numerics import canonical_precision
 from keras_tpu._replicated_steps import ReplicatedSteps, program_rule
 
@@ -247,6 +257,7 @@ def _model_methods(placement):
     def checked(call):
         # The user's arguments are checked on the host once per call, then the model's own method runs.
         def method(model, *args, **kwargs):
+            args, kwargs = distributed_datasets_as_batches(placement, model, call, args, kwargs)
             return validation.validated_call(model, call, args, kwargs)
         method.__name__ = call
         return method
@@ -255,3 +266,124 @@ def _model_methods(placement):
                "make_test_function": make_test_function, "make_predict_function": make_predict_function}
     methods.update({call: checked(call) for call in validation.CHECKED_CALLS})
     return methods
+
+
+# -- distributed datasets in fit, evaluate and predict ------------------------------------------------------
+
+
+def _distributed(value):
+    """Whether ``value`` is a distributed dataset, an iterator over one, or holds per-replica values (an
+    element's structure; containers of many items, such as lists of numbers, are not searched)."""
+    if isinstance(value, (DistributedDataset, DistributedIterator, PerReplica)):
+        return True
+    if isinstance(value, (tuple, list, dict)) and len(value) <= 64:
+        return any(_distributed(item) for item in (value.values() if isinstance(value, dict) else value))
+    return False
+
+
+def distributed_datasets_as_batches(placement, model, call, args, kwargs):
+    """``(args, kwargs)`` of ``model.<call>(...)`` with each distributed dataset (``x``, ``fit``'s
+    ``validation_data``) replaced by a Keras data adapter of its global batches: each element's per-replica
+    parts joined in replica order (:class:`keras_tpu._per_replica.GlobalBatches`), a new pass each epoch. The
+    model's programs split each batch over the cores again, so the model trains, evaluates and predicts as on
+    the batches the dataset distributed, partial ones included.
+
+    As in TensorFlow's Keras, ``y``, ``sample_weight``, ``validation_split`` and ``class_weight`` are refused
+    with a distributed dataset (its elements hold the targets and weights), and ``shuffle`` has no effect (the
+    dataset's order is kept). Unlike TensorFlow, whose distributed datasets had no length, ``steps_per_epoch``
+    and ``steps`` are not required: without them a pass over the dataset is an epoch. ``batch_size`` (and
+    ``validation_batch_size``) has no effect when it is the dataset's global batch, and is refused otherwise.
+    Only the models of the strategy that distributed the dataset take it.
+
+    Example:
+        >>> with strategy.scope():                                                  # doctest: +SKIP
+        ...     model = small_model()
+        >>> model.fit(strategy.experimental_distribute_dataset(batches), epochs=2)  # doctest: +SKIP
+    """
+    if not any(_distributed(value) for value in (*args, *kwargs.values())):
+        return args, kwargs
+    try:
+        bound = inspect.signature(getattr(type(model), call)).bind(model, *args, **kwargs)
+    except TypeError:
+        return args, kwargs  # Keras names the unexpected argument itself
+    arguments = bound.arguments
+    keras_call = call in ("fit", "evaluate", "predict")
+    if keras_call and isinstance(arguments.get("x"), DistributedDataset):
+        arguments["x"] = _batches_of(placement, model, call, arguments, "x")
+    if call == "fit" and isinstance(arguments.get("validation_data"), DistributedDataset):
+        arguments["validation_data"] = _batches_of(placement, model, call, arguments, "validation_data")
+    for name, value in arguments.items():
+        if name != "self" and _distributed(value):
+            what = ("a distributed dataset" if isinstance(value, DistributedDataset) else
+                    "an iterator over a distributed dataset" if isinstance(value, DistributedIterator) else
+                    "a per-replica value")
+            if keras_call:
+                raise ValueError(
+                    f"{call}({name}=...): {name} is {what}. {call}() takes a distributed dataset itself as x"
+                    f"{' (or validation_data)' if call == 'fit' else ''}: "
+                    f"model.{call}(strategy.experimental_distribute_dataset(batches)), not an iterator over one or "
+                    f"its per-replica values. Pass the dataset, or run per-replica values with strategy.run in a "
+                    f"custom loop.")
+            raise ValueError(
+                f"{call}({name}=...): {name} is {what}, and {call}() takes one global batch of arrays. Pass the "
+                f"batch's arrays (model.{call}(x, y)), or give the distributed dataset to "
+                f"{'fit' if call.startswith('train') else 'evaluate' if call.startswith('test') else 'predict'}().")
+    return bound.args[1:], bound.kwargs
+
+
+def _batches_of(placement, model, call, arguments, name):
+    """The Keras data adapter of the distributed dataset ``arguments[name]``, after the refusals of
+    :func:`distributed_datasets_as_batches` and the checks ``fit`` makes of a generator's first batch."""
+    dataset = arguments[name]
+    strategy = dataset.strategy
+    if strategy is None or getattr(strategy, "placement", None) is not placement:
+        raise ValueError(
+            f"{call}({name}=...): model {model.name!r} is not a model of the TPUStrategy that distributed this "
+            f"dataset; as in TensorFlow, a distributed dataset feeds the models created under its strategy's "
+            f"scope. Distribute the batches with the strategy whose scope created the model, or pass the batches "
+            f"themselves (arrays, a generator or a keras.utils.PyDataset).")
+    if name == "x":
+        for refused, put in (("y", "(features, labels) batches"),
+                             ("sample_weight", "(features, labels, sample_weights) batches")):
+            if arguments.get(refused) is not None:
+                raise ValueError(
+                    f"{call}(x=<distributed dataset>, {refused}=...): {refused} is not supported when x is a "
+                    f"distributed dataset (as in TensorFlow: the dataset's elements hold it). Distribute {put}, "
+                    f"or pass arrays as x, y{' and sample_weight' if refused == 'sample_weight' else ''} instead.")
+        if call == "fit" and arguments.get("validation_split") and arguments.get("validation_data") is None:
+            raise ValueError(
+                f"fit(validation_split={arguments['validation_split']!r}): a distributed dataset cannot be split (as "
+                f"in TensorFlow, validation_split splits arrays only). Pass validation_data instead: a distributed "
+                f"dataset of the validation batches (strategy.experimental_distribute_dataset(...)), or arrays "
+                f"(x_val, y_val).")
+        if call == "fit" and arguments.get("class_weight") is not None:
+            raise ValueError(
+                "fit(class_weight=...): class weights are not supported with a distributed dataset (TensorFlow's "
+                "Keras maps them over a tf.data dataset, which a distributed dataset is not). Distribute "
+                "(features, labels, sample_weights) batches, each row's sample weight its class's weight, or pass "
+                "arrays as x and y with class_weight.")
+    batches = GlobalBatches(dataset)
+    first = batches.first()
+    verb = {"fit": "train on", "evaluate": "evaluate", "predict": "predict"}[call]
+    if first is None:
+        raise ValueError(
+            f"{call}({name}=...): the distributed dataset has no elements, so there is nothing to "
+            f"{verb if name == 'x' else 'validate on'}. Distribute at least one batch (a generator that an earlier "
+            f"pass read to its end has none left: distribute a new generator).")
+    rows = int(jax.tree.leaves(first)[0].shape[0])
+    size_argument = "batch_size" if name == "x" else "validation_batch_size"
+    size = arguments.get(size_argument)
+    if size is not None and size != rows:
+        raise ValueError(
+            f"{call}({size_argument}={size!r}): the distributed dataset is batched already (its first global batch "
+            f"has {rows} rows, the replicas' parts joined), and {size_argument} does not batch it again. Leave "
+            f"{size_argument} out, or batch the data by {size} rows before distributing it.")
+    batch_x, batch_y, _ = keras.utils.unpack_x_y_sample_weight(first)
+    where = "x" if name == "x" else "validation_data"
+    validation.check_not_empty(batch_x, where, f"{call} (its first batch)")
+    validation.check_input_shape(model, batch_x, f"the first batch's {'x' if name == 'x' else 'features'}"
+                                 f"{'' if name == 'x' else ' (validation_data)'}", call)
+    if call != "predict":
+        validation.check_labels(model, batch_y, call, "y" if name == "x" else "validation labels",
+                                " (the first batch)")
+    return _keras_private.batches_adapter(batches.new_pass, first, batches.num_batches)

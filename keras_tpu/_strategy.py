@@ -54,8 +54,9 @@ from keras import tree
 from keras_tpu import _hbm as hbm, _keras_private, _pod as pod, _rewrite as rewrite
 from keras_tpu._cores import CORE_AXIS
 from keras_tpu._custom_steps import gradients_summed_over_cores
-from keras_tpu._per_replica import (DistributedDataset, InputReplicationMode, PerReplica, has_per_replica,
-                                    is_per_replica, reduce_over_replicas, replica_row_counts, split_rows, stack)
+from keras_tpu._per_replica import (DistributedDataset, InputReplicationMode, PerReplica, batches_in,
+                                    has_per_replica, is_per_replica, reduce_over_replicas, replica_row_counts,
+                                    split_rows, stack)
 from keras_tpu._logging import logger
 from keras_tpu._placement import Placement, installed_on
 from keras_tpu._programs import compiling_in_background
@@ -526,7 +527,8 @@ class TPUStrategy:
                     "generator) that an earlier pass consumed: this pass has no batches. Pass a list of batches, "
                     "or distribute a new generator for each epoch.")
 
-        return DistributedDataset(batches, f"global batches split over {replicas} replicas", one_shot=one_shot)
+        return DistributedDataset(batches, f"global batches split over {replicas} replicas", one_shot=one_shot,
+                                  strategy=self, count_elements=lambda: batches_in(dataset))
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """Per-replica batches from ``dataset_fn(input_context)``, as TensorFlow's.
@@ -578,8 +580,13 @@ class TPUStrategy:
                              for part in parts + [empty] * (per_pipeline - len(parts))],
                             "The per-replica batches of dataset_fn")
 
+        def count_steps():  # (a step takes per_pipeline batches of each pipeline, until the longest ends)
+            counts = [batches_in(d) for d in datasets]
+            return None if None in counts else max(-(-count // per_pipeline) for count in counts)
+
         return DistributedDataset(steps, f"per-replica batches of {getattr(dataset_fn, '__name__', 'dataset_fn')}",
-                                  one_shot=any(iter(d) is d for d in datasets))
+                                  one_shot=any(iter(d) is d for d in datasets), strategy=self,
+                                  count_elements=count_steps)
 
     def experimental_distribute_datasets_from_function(self, dataset_fn, options=None):
         """TensorFlow 2.0-2.3's name of :meth:`distribute_datasets_from_function` (deprecated there since 2.4)."""
