@@ -19,6 +19,7 @@ import pytest
 from jax import lax
 
 from keras_tpu import mxu
+from keras_tpu.mxu import _direct_conv as direct
 from keras_tpu.mxu import _kernels as kernels
 from tests.tpu_helpers import written_shapes
 
@@ -72,6 +73,10 @@ CONV_CASES = {
     "whole_window": ((2, 4, 5, 3), (4, 5, 3, 7), dict(window_strides=(2, 2), padding="VALID",
                                                       dimension_numbers=("NHWC", "HWIO", "NHWC"))),
 }
+
+
+#: The built-in table's form for an ordinary convolution on a bf16 host: the direct kernels where they run.
+DIRECT = kernels.BF16_DIRECT if direct.available() else kernels.ROUND_F32
 
 
 def integers(rng, shape):
@@ -235,9 +240,10 @@ def test_convolutions_that_are_matrix_products_run_as_dots_with_their_gradients(
     fun = op if case == "whole_window" else lambda a, b: (op(a, b), _grads(op, a, b, c))
     text = jax.jit(mxu.route(fun)).lower(a, b).as_text()
     assert "convolution" not in text and "dot_general" in text
-    # Any other convolution stays one.
+    # Any other convolution stays one (XLA's, or the direct kernels' custom call), not a product.
     lhs_shape, rhs_shape, kwargs = CONV_CASES["nhwc_same"]
-    assert "convolution" in jax.jit(mxu.route(_conv(kwargs))).lower(jnp.ones(lhs_shape), jnp.ones(rhs_shape)).as_text()
+    text = jax.jit(mxu.route(_conv(kwargs))).lower(jnp.ones(lhs_shape), jnp.ones(rhs_shape)).as_text()
+    assert ("convolution" in text or "keras_tpu_mxu_conv_forward" in text) and "dot_general" not in text
 
 
 def _dot_lines(fun, form, *args):
@@ -386,9 +392,9 @@ def test_bf16_host_table_takes_native_forms_only_where_they_were_measured_faster
     assert choice("dot", "rhs_transposed", (1024, 32, 64, 64)) == kernels.ROUND_F32
     assert choice("dot", "rhs_transposed", (1, 128, 512, 3136)) == kernels.ROUND_F32
     assert choice("dot", "both_transposed", (1, 1024, 1024, 1024)) == kernels.ROUND_F32
-    # No native bf16 convolution form was faster than XLA's float32 one.
+    # XLA's bf16 convolution forms were never faster than its float32 one; the direct kernels are, where they run.
     for layout in kernels.CONV_LAYOUTS:
-        assert choice("conv", layout, (1, 131072, 288, 32)) == kernels.ROUND_F32
+        assert choice("conv", layout, (1, 131072, 288, 32)) == DIRECT
     # Hosts without bf16 instructions keep round_f32 everywhere.
     assert kernels.builtin_choice("no_bf16", "dot", "forward", (1, 1024, 784, 1024)) == kernels.ROUND_F32
 
@@ -463,7 +469,7 @@ def test_bf16_host_table_sums_depthwise_convolutions_over_their_taps():
     assert choice("forward", depthwise) == kernels.TAPS
     assert choice("input_grad", depthwise) == kernels.TAPS
     assert choice("weight_grad", (128, 9, 65536, 1)) == kernels.ROUND_F32   # measured slower summed
-    assert choice("forward", (1, 65536, 288, 32)) == kernels.ROUND_F32      # an ordinary convolution
+    assert choice("forward", (1, 65536, 288, 32)) == DIRECT                 # an ordinary convolution
 
 
 def test_eager_calls_follow_the_forced_form(rng):
@@ -534,8 +540,8 @@ def test_bf16_host_table_takes_output_taps_only_for_three_outputs_or_fewer():
     choice = lambda layout, gemm: kernels.builtin_choice("bf16", "conv", layout, gemm)
     assert choice("forward", (1, 131072, 288, 3)) == kernels.OUTPUT_TAPS
     assert choice("input_grad", (1, 131072, 288, 1)) == kernels.OUTPUT_TAPS
-    assert choice("forward", (1, 131072, 288, 4)) == kernels.ROUND_F32      # measured slower, erratic
-    assert choice("weight_grad", (1, 27, 131072, 3)) == kernels.ROUND_F32
+    assert choice("forward", (1, 131072, 288, 4)) == DIRECT      # output_taps measured slower, erratic
+    assert choice("weight_grad", (1, 27, 131072, 3)) == DIRECT
     assert choice("forward", (128, 65536, 9, 1)) == kernels.TAPS           # depthwise: taps first
     assert kernels.builtin_choice("no_bf16", "conv", "forward", (1, 131072, 288, 3)) == kernels.ROUND_F32
     # More than 49 columns (taps times outputs) are left to XLA's convolution even when forced.
@@ -693,9 +699,11 @@ def test_without_the_option_xla_drops_a_rounding_fused_with_a_reduction(monkeypa
     args = (rng.standard_normal((32, 16, 16, 32)).astype(np.float32) * 1.37 + 0.1,
             rng.standard_normal((3, 3, 32, 32)).astype(np.float32),
             rng.standard_normal((3, 3, 32, 32)).astype(np.float32))
-    traced = jax.jit(mxu.route(_two_conv_blocks)).trace(*args)
+    with kernels.use_form(kernels.ROUND_F32):   # XLA's convolutions, which it can fuse into YNNPACK
+        traced = jax.jit(mxu.route(_two_conv_blocks)).trace(*args)
+        lowered = traced.lower()
     options = kernels.compiler_options("test", traced.jaxpr)
-    loose = traced.lower().compile({k: v for k, v in options.items() if k != "xla_allow_excess_precision"})
+    loose = lowered.compile({k: v for k, v in options.items() if k != "xla_allow_excess_precision"})
     if "__ynn" not in loose.as_text():
         pytest.skip("XLA:CPU did not fuse the program into YNNPACK here")
     want = _two_conv_blocks_exact(*args)

@@ -27,6 +27,11 @@ the float32 additions):
     groups) as one float32 product of the input's rows with every tap's
     kernel at once (``M x K x taps*N``), each tap's columns then summed at
     their shifted positions; ``round_f32`` for any other convolution.
+``bf16_direct`` (convolutions only)
+    keras-tpu's own convolution kernels (:mod:`keras_tpu.mxu._direct_conv`),
+    which multiply bf16 pairs exactly and sum them in float32 with the CPU's
+    AVX-512 BF16 dot instruction, the MXU's arithmetic at twice the float32
+    rate; ``round_f32`` for a convolution they do not cover.
 
 Which is fastest depends on the host, the op's layout and shape, and the
 XLA:CPU options: a bf16 dot is fast only where XLA hands it to YNNPACK
@@ -118,6 +123,13 @@ entry a form or a :class:`ShapeRule` (a form above a shape threshold,
 ``round_f32`` below it):
 
 * ``"no_bf16"``: ``round_f32`` for every op.
+* ``"bf16"`` with the direct kernels available: ``bf16_direct`` for every
+  ungrouped convolution that neither rule below takes (b128 per core, ms
+  XLA's float32 / direct, kernel alone, best of 25, interleaved:
+  32x32x32->32 3x3 forward 13.7-15.6 / 7.2-9.9, weight gradient 28.5-38.3 /
+  8.7-10.5; 16x16x32->64 forward 6.8-7.5 / 3.3-4.0, weight gradient 10.5-12.0
+  / 4.4-6.2; 16x16x64->64 valid forward 10.8-11.7 / 5.0-6.3, weight gradient
+  13.6-15.8 / 6.4-9.1; the 3-channel first layer forward 5.2-6.4 / 2.5-3.3).
 * ``"bf16"``: dots in the forward layout ``bf16`` when M >= 128, N >= 64 and
   K >= 64; input-gradient layout (rhs transposed) ``bf16`` when M >= 256 and
   N >= 128; weight-gradient layout (lhs transposed) ``bf16_swapped`` when
@@ -164,6 +176,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from keras_tpu import _rewrite as rewrite
+from keras_tpu.mxu import _direct_conv as direct
 
 ROUND_F32 = "round_f32"
 BF16 = "bf16"
@@ -172,10 +185,11 @@ BF16_SWAPPED = "bf16_swapped"
 
 TAPS = "taps"
 OUTPUT_TAPS = "output_taps"
+BF16_DIRECT = "bf16_direct"
 
 DOT_FORMS = (ROUND_F32, BF16, BF16_CANONICAL, BF16_SWAPPED)
-CONV_FORMS = (ROUND_F32, BF16, BF16_CANONICAL, TAPS, OUTPUT_TAPS)
-ALL_FORMS = DOT_FORMS + (TAPS, OUTPUT_TAPS)
+CONV_FORMS = (ROUND_F32, BF16, BF16_CANONICAL, TAPS, OUTPUT_TAPS, BF16_DIRECT)
+ALL_FORMS = DOT_FORMS + (TAPS, OUTPUT_TAPS, BF16_DIRECT)
 NATIVE_FORMS = (BF16, BF16_CANONICAL, BF16_SWAPPED)
 
 #: Layouts. A dot is "forward" when lhs is ``[batch, free, contracting]`` and
@@ -274,6 +288,19 @@ class GroupedRule:
 
 
 @dataclasses.dataclass(frozen=True)
+class DirectRule:
+    """``bf16_direct`` for an ungrouped convolution where the direct kernels run on this host, else ``round_f32``.
+
+    Example:
+        >>> DirectRule()((1, 131072, 288, 32)) in ("bf16_direct", "round_f32"), DirectRule()((32, 65536, 9, 1))
+        (True, 'round_f32')
+    """
+
+    def __call__(self, gemm):
+        return BF16_DIRECT if gemm[0] == 1 and direct.available() else ROUND_F32
+
+
+@dataclasses.dataclass(frozen=True)
 class FirstMatch:
     """The first of ``rules`` that picks a form other than ``round_f32``.
 
@@ -316,8 +343,9 @@ BUILTIN_TABLES = {
         # own train_step at batch 64 0.95x -> 1.02-1.07x, the 784-512-512-10 MLP at batch 32 0.93-0.96x -> 1.01x,
         # the zoo's MLP 1.80x -> 1.90x; the zoo's other models and users' code choose the same forms as before.
         ("dot", "lhs_transposed"): ShapeRule(BF16_SWAPPED, min_k=16, min_n=64),
-        ("conv", "forward"): FirstMatch((GroupedRule(), FewOutputsRule())),
-        ("conv", "input_grad"): FirstMatch((GroupedRule(), FewOutputsRule())),
+        ("conv", "forward"): FirstMatch((GroupedRule(), FewOutputsRule(), DirectRule())),
+        ("conv", "input_grad"): FirstMatch((GroupedRule(), FewOutputsRule(), DirectRule())),
+        ("conv", "weight_grad"): DirectRule(),
     },
 }
 
@@ -825,6 +853,11 @@ def conv_pass(lhs, rhs, geometry, form):
     rhs_dilation, dimension_numbers (a ``ConvDimensionNumbers``),
     feature_group_count and batch_group_count.
     """
+    if form == BF16_DIRECT:
+        out = direct.direct_conv(lhs, rhs, **geometry)
+        if out is not None:
+            return out
+        form = ROUND_F32   # not a convolution the direct kernels cover
     if form in (TAPS, OUTPUT_TAPS):
         summed = _taps_conv if form == TAPS else _output_taps_conv
         out = summed(lhs.astype(jnp.float32), rhs.astype(jnp.float32), **geometry)

@@ -1,0 +1,212 @@
+"""The MXU's convolutions on the host's bfloat16 dot instructions, as XLA custom calls.
+
+XLA:CPU has no bfloat16 convolution: it converts the operands to float32 and
+runs Eigen's or YNNPACK's float32 kernels. A host with AVX-512 BF16 multiplies
+bf16 pairs exactly and sums them in float32 (``VDPBF16PS``), which is the
+MXU's arithmetic at twice the float32 rate. ``_direct_conv.cc`` computes
+convolutions on it directly (no im2col patches): the forward convolution, which
+also serves the input gradient of a stride-1 convolution, and the weight
+gradient. This module compiles it once per host into a cache directory (the
+C++ compiler and jaxlib's FFI headers are all it needs), registers its two
+handlers with XLA, and states a ``conv_general_dilated`` in their terms:
+:func:`direct_conv` returns ``None`` for anything they do not cover
+(feature or batch groups, dilations, more than two spatial dimensions, the
+input gradient of a strided convolution), which then runs as before.
+
+The kernels are used only where :func:`available` (an x86 host with
+AVX-512 BF16, a compiler, ``KERAS_TPU_DIRECT_CONV`` not ``0``); the form
+choice is in :mod:`keras_tpu.mxu._kernels` (``bf16_direct``).
+"""
+
+import ctypes
+import functools
+import hashlib
+import logging
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+logger = logging.getLogger("keras_tpu")
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "_direct_conv.cc")
+_FLAGS = ("-O3", "-std=c++17", "-march=x86-64-v4", "-mavx512bf16", "-shared", "-fPIC", "-w")
+_FORWARD = "keras_tpu_mxu_conv_forward"
+_WEIGHT_GRAD = "keras_tpu_mxu_conv_weight_grad"
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip().lower() == "flags":
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cache_dirs():
+    """Where the compiled kernels are kept: ``KERAS_TPU_CACHE_DIR`` or the user's cache, else a temporary one."""
+    root = os.environ.get("KERAS_TPU_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "keras_tpu")
+    return os.path.join(root, "kernels"), os.path.join(tempfile.gettempdir(), f"keras_tpu-{os.getuid()}", "kernels")
+
+
+def _compile(compiler):
+    """The path of the compiled library, built into the cache directory unless it is there already."""
+    with open(_SOURCE, "rb") as f:
+        source = f.read()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(),
+                                     jax.ffi.include_dir().encode(), jax.__version__.encode()])).hexdigest()[:16]
+    name = f"direct_conv-{key}.so"
+    for directory in _cache_dirs():
+        if os.path.exists(os.path.join(directory, name)):
+            return os.path.join(directory, name)
+    for directory in _cache_dirs():
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd, staging = tempfile.mkstemp(suffix=".so", dir=directory)
+            break
+        except OSError:   # not writable: the next place
+            continue
+    else:
+        raise OSError(f"No writable directory for the compiled kernels among {_cache_dirs()}.")
+    os.close(fd)
+    logger.info("keras-tpu: compiling its MXU convolution kernels for this host (once; a few seconds) into %s",
+                directory)
+    # Built under a name of its own and renamed into place: a process that loads it never sees half a file.
+    try:
+        subprocess.run([compiler, *_FLAGS, "-I", jax.ffi.include_dir(), _SOURCE, "-o", staging],
+                       capture_output=True, text=True, check=True)
+        os.replace(staging, os.path.join(directory, name))
+    finally:
+        if os.path.exists(staging):
+            os.remove(staging)
+    return os.path.join(directory, name)
+
+
+@functools.lru_cache(maxsize=None)
+def available():
+    """Whether the direct convolution kernels run on this host (compiled and registered on first call).
+
+    Example:
+        >>> available() in (True, False)
+        True
+    """
+    if os.environ.get("KERAS_TPU_DIRECT_CONV", "1").strip() == "0":
+        return False
+    if "avx512_bf16" not in _cpu_flags():
+        return False
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        logger.info("keras-tpu: no C++ compiler found; convolutions run on XLA's float32 kernels "
+                    "(install g++ for the faster bf16 ones).")
+        return False
+    try:
+        library = ctypes.CDLL(_compile(compiler))
+        jax.ffi.register_ffi_target(_FORWARD, jax.ffi.pycapsule(library.MxuConvForward), platform="cpu")
+        jax.ffi.register_ffi_target(_WEIGHT_GRAD, jax.ffi.pycapsule(library.MxuConvWeightGrad), platform="cpu")
+    except (OSError, subprocess.CalledProcessError, AttributeError) as error:
+        detail = getattr(error, "stderr", "") or error
+        logger.warning("keras-tpu: could not build its MXU convolution kernels (%s); convolutions run on XLA's "
+                       "float32 kernels.", str(detail).strip()[:2000])
+        return False
+    return True
+
+
+def _round_up(n, multiple):
+    return -(-n // multiple) * multiple
+
+
+def _forward(x, w, strides, padding):
+    """``out[n, y, x, o] = sum x[n, y*sh + i - pad, x*sw + j - pad, c] w[i, j, c, o]``; x NHWC, w HWIO."""
+    c, co = w.shape[2], w.shape[3]
+    cp, cop = _round_up(c, 2), _round_up(co, 16)
+    # Spatial padding (negative crops) and an even number of input features, in one pass with the bf16 cast.
+    x = lax.pad(x.astype(jnp.bfloat16), jnp.zeros((), jnp.bfloat16),
+                [(0, 0, 0)] + [(lo, hi, 0) for lo, hi in padding] + [(0, cp - c, 0)])
+    w = jnp.pad(w.astype(jnp.bfloat16), ((0, 0), (0, 0), (0, cp - c), (0, cop - co)))
+    kh, kw = w.shape[:2]
+    w = w.reshape(kh, kw, cp // 2, 2, cop).transpose(0, 1, 2, 4, 3)     # pairs of input features
+    oh, ow = (x.shape[1] - kh) // strides[0] + 1, (x.shape[2] - kw) // strides[1] + 1
+    out = jax.ffi.ffi_call(_FORWARD, jax.ShapeDtypeStruct((x.shape[0], oh, ow, cop), jnp.float32))(
+        x, w, sh=np.int64(strides[0]), sw=np.int64(strides[1]))
+    return out if cop == co else out[..., :co]
+
+
+def _weight_grad(x, g, window, strides, padding):
+    """``dw[i, j, c, o] = sum x[n, y*sh + i - pad, x*sw + j - pad, c] g[n, y, x, o]``; x, g NHWC."""
+    co = g.shape[3]
+    cop = _round_up(co, 16)
+    x = lax.pad(x.astype(jnp.bfloat16), jnp.zeros((), jnp.bfloat16),
+                [(0, 0, 0)] + [(lo, hi, 0) for lo, hi in padding] + [(0, 0, 0)])
+    g = jnp.pad(g.astype(jnp.bfloat16), ((0, 0), (0, 0), (0, 0), (0, cop - co)))
+    dw = jax.ffi.ffi_call(_WEIGHT_GRAD, jax.ShapeDtypeStruct(tuple(window) + (x.shape[3], cop), jnp.float32))(
+        x, g, sh=np.int64(strides[0]), sw=np.int64(strides[1]))
+    return dw if cop == co else dw[..., :co]
+
+
+def direct_conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+                feature_group_count, batch_group_count):
+    """``conv_general_dilated`` of bf16-valued operands on the direct kernels (float32 result), or ``None``.
+
+    Any ``conv_general_dilated`` is ``out[b, y, o] = sum over f, k of lhs[b,
+    y*stride + k*rhs_dilation - pad, f] rhs[k, f, o]`` (axes named by its
+    dimension numbers). Where the rhs's window is smaller than the output
+    (a forward convolution, autodiff's input gradient) the forward kernel
+    computes it, without rhs dilation. Where it is larger (autodiff's weight
+    gradient: the rhs is the output gradient, the result the kernel's shape)
+    the weight-gradient kernel does, at window stride 1, reading ``lhs[b, ...,
+    f]`` as example ``f``'s feature ``b`` and the rhs dilation as the stride.
+    One and two spatial dimensions, no groups, no lhs dilation (the input
+    gradient of a strided convolution); ``None`` for anything else.
+
+    Example:
+        >>> x, w = jnp.ones((2, 5, 5, 3)), jnp.ones((3, 3, 3, 16))
+        >>> dn = lax.conv_dimension_numbers(x.shape, w.shape, ("NHWC", "HWIO", "NHWC"))
+        >>> out = direct_conv(x, w, (1, 1), ((1, 1), (1, 1)), (1, 1), (1, 1), dn, 1, 1)
+        >>> out is None or (out.shape, float(out[0, 2, 2, 0])) == ((2, 5, 5, 16), 27.0)
+        True
+    """
+    spatial = lhs.ndim - 2
+    if feature_group_count != 1 or batch_group_count != 1 or spatial not in (1, 2) or lhs.size == 0 \
+            or rhs.size == 0 or any(d != 1 for d in lhs_dilation) or not available():
+        return None
+    lspec, rspec, ospec = dimension_numbers
+    lhs = lax.transpose(lhs, (lspec[0],) + tuple(lspec[2:]) + (lspec[1],))      # b, spatial..., f
+    rhs = lax.transpose(rhs, tuple(rspec[2:]) + (rspec[1], rspec[0]))           # spatial..., f, o
+    pad, size = tuple(tuple(p) for p in padding), lhs.shape[1:-1]
+    if spatial == 1:
+        lhs, rhs, pad, size = lhs[:, None], rhs[None], ((0, 0),) + pad, (1,) + size
+        window_strides, rhs_dilation = (1,) + tuple(window_strides), (1,) + tuple(rhs_dilation)
+    window = rhs.shape[:2]
+    padded = [n + lo + hi for n, (lo, hi) in zip(size, pad)]
+    out_size = [(p - (k - 1) * d - 1) // s + 1 for p, k, d, s in zip(padded, window, rhs_dilation, window_strides)]
+    if min(out_size) < 1:
+        return None
+    if math.prod(window) > math.prod(out_size):
+        if any(s != 1 for s in window_strides):
+            return None
+        examples_first = lax.transpose(lhs, (3, 1, 2, 0))                      # f, spatial..., b
+        out = _weight_grad(examples_first, jnp.moveaxis(rhs, 2, 0), out_size, rhs_dilation, pad)
+        out = jnp.moveaxis(out, 2, 0)                                            # b, spatial..., o
+    else:
+        if any(d != 1 for d in rhs_dilation):
+            return None
+        out = _forward(lhs, rhs, window_strides, pad)                            # b, spatial..., o
+    if spatial == 1:
+        out = out[:, 0]
+    order = (ospec[0],) + tuple(ospec[2:]) + (ospec[1],)      # the axes of ``out``, as dimension_numbers numbers them
+    inverse = [0] * len(order)
+    for position, axis in enumerate(order):
+        inverse[axis] = position
+    return out if inverse == list(range(len(order))) else lax.transpose(out, tuple(inverse))

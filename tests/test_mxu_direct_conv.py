@@ -1,0 +1,174 @@
+"""The direct convolution kernels (keras_tpu.mxu._direct_conv): which convolutions they run, the MXU's numbers, the
+build cache.
+
+Exactness is checked as in test_mxu_kernels: integer operands small enough that exact products summed in float32
+in any order give exactly the float64 result. Every covered case also checks that the kernels' custom calls are
+in the program, so a silent fall back to XLA's convolution fails the test.
+"""
+
+import os
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax import lax
+
+from keras_tpu import mxu
+from keras_tpu.mxu import _direct_conv as direct
+from keras_tpu.mxu import _kernels as kernels
+
+pytestmark = pytest.mark.skipif(not direct.available(), reason="needs an x86 host with AVX-512 BF16 and g++")
+
+FORWARD, WEIGHT_GRAD = "keras_tpu_mxu_conv_forward", "keras_tpu_mxu_conv_weight_grad"
+
+CASES = {
+    # name: (lhs shape, rhs shape, conv kwargs, (forward kernel calls, weight-gradient calls) in value and grads)
+    "same_odd_features": ((2, 9, 7, 5), (3, 3, 5, 20), dict(window_strides=(1, 1), padding="SAME",
+                                                              dimension_numbers=("NHWC", "HWIO", "NHWC")), (2, 1)),
+    "wide": ((2, 9, 13, 64), (3, 3, 64, 64), dict(window_strides=(1, 1), padding="VALID",
+                                                   dimension_numbers=("NHWC", "HWIO", "NHWC")), (2, 1)),
+    "thirty_two": ((3, 8, 8, 32), (3, 3, 32, 32), dict(window_strides=(1, 1), padding="SAME",
+                                                       dimension_numbers=("NHWC", "HWIO", "NHWC")), (2, 1)),
+    # A strided convolution's input gradient dilates its lhs: XLA's convolution runs it.
+    "strided": ((2, 11, 9, 6), (3, 2, 6, 33), dict(window_strides=(2, 1), padding="VALID",
+                                                   dimension_numbers=("NHWC", "HWIO", "NHWC")), (1, 1)),
+    "asymmetric_padding": ((2, 8, 9, 4), (3, 3, 4, 16), dict(window_strides=(1, 1), padding=((0, 2), (1, 0)),
+                                                             dimension_numbers=("NHWC", "HWIO", "NHWC")), (2, 1)),
+    "nchw": ((2, 6, 9, 7), (12, 6, 4, 3), dict(window_strides=(1, 1), padding="SAME",
+                                               dimension_numbers=("NCHW", "OIHW", "NCHW")), (2, 1)),
+    "conv1d": ((3, 17, 8), (5, 8, 16), dict(window_strides=(1,), padding="SAME",
+                                            dimension_numbers=("NWC", "WIO", "NWC")), (2, 1)),
+    "conv1d_strided": ((3, 17, 8), (5, 8, 16), dict(window_strides=(2,), padding="VALID",
+                                                    dimension_numbers=("NWC", "WIO", "NWC")), (1, 1)),
+}
+
+
+def _conv(kwargs):
+    return lambda a, b: lax.conv_general_dilated(a, b, **kwargs)
+
+
+def _value_and_grads(op, c):
+    return lambda a, b: (op(a, b), jax.grad(lambda a, b: jnp.sum(op(a, b) * c), argnums=(0, 1))(a, b))
+
+
+def _f64(fun, *args):
+    with jax.enable_x64(True):
+        return jax.tree.map(np.asarray, fun(*(np.asarray(a, np.float64) for a in args)))
+
+
+def _calls(fun, *args):
+    text = jax.jit(mxu.route(fun)).lower(*args).as_text()
+    return text.count(f"custom_call @{FORWARD}"), text.count(f"custom_call @{WEIGHT_GRAD}")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_covered_convolutions_and_their_gradients_run_on_the_kernels_exactly(rng, case):
+    lhs_shape, rhs_shape, kwargs, calls = CASES[case]
+    op = _conv(kwargs)
+    a = rng.integers(-15, 16, lhs_shape).astype(np.float32)
+    b = rng.integers(-15, 16, rhs_shape).astype(np.float32)
+    c = rng.integers(-15, 16, jax.eval_shape(op, a, b).shape).astype(np.float32)
+    fun = _value_and_grads(op, c)
+    assert _calls(fun, a, b) == calls
+    got = jax.jit(mxu.route(fun))(a, b)
+    want = _f64(lambda a, b: _value_and_grads(op, jnp.asarray(c, jnp.float64))(a, b), a, b)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(g, np.float64), w)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(window_strides=(1, 1), padding="SAME", rhs_dilation=(2, 1), dimension_numbers=("NHWC", "HWIO", "NHWC")),
+    dict(window_strides=(1, 1), padding=((2, 2), (2, 2)), lhs_dilation=(2, 2),
+         dimension_numbers=("NHWC", "HWIO", "NHWC")),
+    dict(window_strides=(1, 1), padding="SAME", feature_group_count=2, dimension_numbers=("NHWC", "HWIO", "NHWC")),
+], ids=["rhs_dilation", "lhs_dilation", "groups"])
+def test_other_convolutions_stay_on_xla(rng, kwargs):
+    op = _conv(kwargs)
+    rhs_shape = (3, 3, 4 // kwargs.get("feature_group_count", 1), 16)
+    a, b = rng.integers(-15, 16, (2, 7, 7, 4)).astype(np.float32), rng.integers(-15, 16, rhs_shape).astype(np.float32)
+    with kernels.use_form(kernels.BF16_DIRECT):
+        assert _calls(op, a, b) == (0, 0)
+        got = jax.jit(mxu.route(op))(a, b)
+    np.testing.assert_array_equal(np.asarray(got, np.float64), _f64(op, a, b))
+    volume = lax.conv_dimension_numbers((1, 4, 4, 4, 2), (2, 2, 2, 2, 16), ("NDHWC", "DHWIO", "NDHWC"))
+    assert direct.direct_conv(jnp.ones((1, 4, 4, 4, 2)), jnp.ones((2, 2, 2, 2, 16)), (1, 1, 1), ((0, 0),) * 3,
+                              (1, 1, 1), (1, 1, 1), volume, 1, 1) is None   # three spatial dimensions
+
+
+def test_operands_are_rounded_to_bfloat16_and_products_summed_in_float32(rng):
+    op = _conv(CASES["wide"][2])
+    a = rng.standard_normal((2, 9, 13, 64)).astype(np.float32)
+    b = rng.standard_normal((3, 3, 64, 64)).astype(np.float32)
+    bf16 = lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float64)
+    got = np.asarray(jax.jit(mxu.route(op))(a, b), np.float64)
+    reference, magnitude = _f64(op, bf16(a), bf16(b)), _f64(op, np.abs(bf16(a)), np.abs(bf16(b)))
+    assert np.all(np.abs(got - reference) <= 576 * 2.0**-24 * magnitude + 1e-30)
+    assert np.abs(got - _f64(op, a, b)).max() > 100 * np.abs(got - reference).max()
+
+
+@pytest.mark.parametrize("precision", ["high", "highest"])
+def test_multipass_precisions_run_every_pass_on_the_kernels(rng, precision):
+    op = _conv(CASES["thirty_two"][2])
+    a = rng.standard_normal((3, 8, 8, 32)).astype(np.float32)
+    b = rng.standard_normal((3, 3, 32, 32)).astype(np.float32)
+    text = jax.jit(mxu.route(op, precision)).lower(a, b).as_text()
+    assert text.count(f"custom_call @{FORWARD}") == {"high": 3, "highest": 6}[precision]
+    got = np.asarray(jax.jit(mxu.route(op, precision))(a, b), np.float64)
+    want = _f64(op, a, b)
+    assert np.abs(got - want).max() < {"high": 1e-4, "highest": 2e-5}[precision] * np.abs(want).max()
+
+
+def test_a_keras_convnet_trains_on_the_kernels_as_on_the_cpu(monkeypatch):
+    import keras
+
+    from tests.tpu_helpers import on_tpu
+
+    def build():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((12, 12, 3)), keras.layers.Conv2D(16, 3, activation="relu"),
+                                  keras.layers.Conv2D(32, 3, padding="same"), keras.layers.GlobalAveragePooling2D(),
+                                  keras.layers.Dense(4)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss=keras.losses.MeanSquaredError())
+        return model
+
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((64, 12, 12, 3)).astype(np.float32), rng.standard_normal((64, 4)).astype(np.float32)
+    cpu = build()
+    cpu_history = cpu.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history["loss"]
+    covered, direct_conv = [], direct.direct_conv
+    monkeypatch.setattr(direct, "direct_conv", lambda *a, **k: covered.append(direct_conv(*a, **k)) or covered[-1])
+    tpu = on_tpu(build())   # precision="highest": six passes, every one on the kernels
+    tpu_history = tpu.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history["loss"]
+    assert sum(out is not None for out in covered) >= 3     # the forward, input and weight gradients
+    np.testing.assert_allclose(tpu_history, cpu_history, rtol=2e-5)
+    for got, want in zip(tpu.get_weights(), cpu.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_kernels_are_built_once_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERAS_TPU_CACHE_DIR", str(tmp_path))
+    compiler = os.environ.get("CXX") or "g++"
+    path = direct._compile(compiler)
+    assert os.path.dirname(path) == str(tmp_path / "kernels") and path.endswith(".so")
+    built = os.stat(path).st_mtime_ns
+    assert direct._compile(compiler) == path and os.stat(path).st_mtime_ns == built
+    assert os.listdir(tmp_path / "kernels") == [os.path.basename(path)]   # no staging file left behind
+    with pytest.raises(OSError):
+        direct._compile(str(tmp_path / "no-such-compiler"))
+    # A failed build leaves nothing in the cache.
+    monkeypatch.setattr(direct, "_FLAGS", direct._FLAGS + ("-DKERAS_TPU_TEST", "--no-such-option"))
+    with pytest.raises(subprocess.CalledProcessError):
+        direct._compile(compiler)
+    assert os.listdir(tmp_path / "kernels") == [os.path.basename(path)]
+
+
+def test_the_kernels_are_off_without_avx512_bf16_or_when_disabled(monkeypatch):
+    monkeypatch.setenv("KERAS_TPU_DIRECT_CONV", "0")
+    assert direct.available.__wrapped__() is False
+    monkeypatch.delenv("KERAS_TPU_DIRECT_CONV")
+    monkeypatch.setattr(direct, "_cpu_flags", lambda: {"avx512f", "avx512bw"})
+    assert direct.available.__wrapped__() is False
