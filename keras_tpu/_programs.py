@@ -276,7 +276,9 @@ class Program:
         # core's step) runs meanwhile: ResNet-20's first step is ready 0.7 s sooner.
         traced = self._program(self._reads_copies, form).trace(*args)
         # XLA:CPU's options on this host, for this kind of program (see keras_tpu.mxu._kernels.compiler_options).
-        compiling = compiling_in_background(traced.lower(), kernels.compiler_options(self.mode, traced.jaxpr))
+        with kernels.lowering_mode(self.mode):   # (some kernel forms are chosen per kind of program)
+            lowered = traced.lower()
+        compiling = compiling_in_background(lowered, kernels.compiler_options(self.mode, traced.jaxpr))
         # A TPU keeps no bf16 copies. One core's step needs about the same HBM in every form: checked once per shape.
         checked = any(compiled == signature for compiled, _ in self._executables)
         footprint = None if checked else self._footprint(args, form)

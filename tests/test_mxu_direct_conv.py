@@ -32,9 +32,17 @@ CASES = {
                                                    dimension_numbers=("NHWC", "HWIO", "NHWC")), (2, 1)),
     "thirty_two": ((3, 8, 8, 32), (3, 3, 32, 32), dict(window_strides=(1, 1), padding="SAME",
                                                        dimension_numbers=("NHWC", "HWIO", "NHWC")), (2, 1)),
-    # A strided convolution's input gradient dilates its lhs: XLA's convolution runs it.
+    # A strided convolution's input gradient dilates its lhs: one forward call per residue of the stride.
     "strided": ((2, 11, 9, 6), (3, 2, 6, 33), dict(window_strides=(2, 1), padding="VALID",
-                                                   dimension_numbers=("NHWC", "HWIO", "NHWC")), (1, 1)),
+                                                   dimension_numbers=("NHWC", "HWIO", "NHWC")), (3, 1)),
+    "strided_same": ((2, 11, 9, 6), (3, 3, 6, 16), dict(window_strides=(2, 2), padding="SAME",
+                                                        dimension_numbers=("NHWC", "HWIO", "NHWC")), (5, 1)),
+    "stride_three": ((2, 12, 13, 5), (5, 3, 5, 16), dict(window_strides=(3, 2), padding=((1, 2), (0, 1)),
+                                                         dimension_numbers=("NHWC", "HWIO", "NHWC")), (7, 1)),
+    # A transposed convolution (lhs dilated): four residues; its kernel gradient (lhs dilated too) stays on XLA.
+    "transposed": ((2, 5, 6, 8), (3, 3, 8, 16), dict(window_strides=(1, 1), padding=((1, 2), (1, 2)),
+                                                     lhs_dilation=(2, 2), dimension_numbers=("NHWC", "HWIO", "NHWC")),
+                   (5, 0)),
     "asymmetric_padding": ((2, 8, 9, 4), (3, 3, 4, 16), dict(window_strides=(1, 1), padding=((0, 2), (1, 0)),
                                                              dimension_numbers=("NHWC", "HWIO", "NHWC")), (2, 1)),
     "nchw": ((2, 6, 9, 7), (12, 6, 4, 3), dict(window_strides=(1, 1), padding="SAME",
@@ -42,7 +50,7 @@ CASES = {
     "conv1d": ((3, 17, 8), (5, 8, 16), dict(window_strides=(1,), padding="SAME",
                                             dimension_numbers=("NWC", "WIO", "NWC")), (2, 1)),
     "conv1d_strided": ((3, 17, 8), (5, 8, 16), dict(window_strides=(2,), padding="VALID",
-                                                    dimension_numbers=("NWC", "WIO", "NWC")), (1, 1)),
+                                                    dimension_numbers=("NWC", "WIO", "NWC")), (3, 1)),
 }
 
 
@@ -82,10 +90,10 @@ def test_covered_convolutions_and_their_gradients_run_on_the_kernels_exactly(rng
 
 @pytest.mark.parametrize("kwargs", [
     dict(window_strides=(1, 1), padding="SAME", rhs_dilation=(2, 1), dimension_numbers=("NHWC", "HWIO", "NHWC")),
-    dict(window_strides=(1, 1), padding=((2, 2), (2, 2)), lhs_dilation=(2, 2),
+    dict(window_strides=(2, 2), padding=((2, 2), (2, 2)), lhs_dilation=(2, 2),
          dimension_numbers=("NHWC", "HWIO", "NHWC")),
     dict(window_strides=(1, 1), padding="SAME", feature_group_count=2, dimension_numbers=("NHWC", "HWIO", "NHWC")),
-], ids=["rhs_dilation", "lhs_dilation", "groups"])
+], ids=["rhs_dilation", "lhs_dilation_strided", "groups"])
 def test_other_convolutions_stay_on_xla(rng, kwargs):
     op = _conv(kwargs)
     rhs_shape = (3, 3, 4 // kwargs.get("feature_group_count", 1), 16)
@@ -172,3 +180,16 @@ def test_the_kernels_are_off_without_avx512_bf16_or_when_disabled(monkeypatch):
     monkeypatch.delenv("KERAS_TPU_DIRECT_CONV")
     monkeypatch.setattr(direct, "_cpu_flags", lambda: {"avx512f", "avx512bw"})
     assert direct.available.__wrapped__() is False
+
+
+def test_inference_leaves_convolutions_of_few_products_to_xla(rng):
+    # One input feature, 3x3: 9 products per output, which XLA fuses with its neighbours in an evaluation.
+    op = _conv(dict(window_strides=(1, 1), padding="VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")))
+    a, b = rng.integers(-15, 16, (4, 10, 10, 1)).astype(np.float32), rng.integers(-15, 16, (3, 3, 1, 32))
+    b = b.astype(np.float32)
+    for mode, calls in (("train", (1, 0)), ("test", (0, 0)), ("predict", (0, 0)), (None, (1, 0))):
+        with kernels.lowering_mode(mode):
+            assert _calls(op, a, b) == calls, mode
+    wider = rng.integers(-15, 16, (4, 10, 10, 2)).astype(np.float32), rng.integers(-15, 16, (3, 3, 2, 32))
+    with kernels.lowering_mode("test"):
+        assert _calls(op, wider[0], wider[1].astype(np.float32)) == (1, 0)    # 18 products

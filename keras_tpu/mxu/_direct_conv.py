@@ -155,6 +155,40 @@ def _weight_grad(x, g, window, strides, padding):
     return dw if cop == co else dw[..., :co]
 
 
+def _dilated_input(x, w, dilation, padding, out_size):
+    """``_forward`` of ``x`` dilated (``dilation - 1`` zeros between its positions) at stride 1, without
+    multiplying the zeros: the output's positions of each residue ``r`` modulo the dilation read only the
+    kernel's taps ``k0, k0 + d, ...`` (``k0 = (lo - r) mod d``), so each residue is a stride-1 convolution of
+    ``x`` with that part of the kernel, and the residues' outputs interleave into the result."""
+    phases = []   # per spatial dim: (residue, first tap, input offset, outputs) of each residue
+    for d, (lo, _), n_out in zip(dilation, padding, out_size):
+        dim = []
+        for r in range(d):
+            k0 = (lo - r) % d
+            dim.append((k0, (r + k0 - lo) // d, len(range(r, n_out, d))))
+        phases.append(dim)
+    rows = max(a for _, _, a in phases[0])
+    cols = max(a for _, _, a in phases[1])
+    parts = []
+    for k0h, ch, ah in phases[0]:
+        row = []
+        for k0w, cw, aw in phases[1]:
+            taps = w[k0h::dilation[0], k0w::dilation[1]]
+            if ah == 0 or aw == 0 or taps.shape[0] == 0 or taps.shape[1] == 0:
+                part = jnp.zeros((x.shape[0], ah, aw, w.shape[3]), jnp.float32)
+            else:
+                # Output a reads inputs a + c .. a + c + taps - 1: pad (or crop) x to exactly those.
+                pad = [(-c, a + t - 1 - n + c) for c, a, t, n in zip((ch, cw), (ah, aw), taps.shape[:2],
+                                                                    x.shape[1:3])]
+                part = _forward(x, taps, (1, 1), pad)
+            row.append(jnp.pad(part, ((0, 0), (0, rows - ah), (0, cols - aw), (0, 0))))
+        parts.append(jnp.stack(row))
+    stacked = jnp.stack(parts)                                  # dh, dw, b, rows, cols, o
+    b, o = x.shape[0], w.shape[3]
+    out = stacked.transpose(2, 3, 0, 4, 1, 5).reshape(b, rows * dilation[0], cols * dilation[1], o)
+    return out[:, :out_size[0], :out_size[1]]
+
+
 def direct_conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
                 feature_group_count, batch_group_count):
     """``conv_general_dilated`` of bf16-valued operands on the direct kernels (float32 result), or ``None``.
@@ -167,8 +201,11 @@ def direct_conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, d
     gradient: the rhs is the output gradient, the result the kernel's shape)
     the weight-gradient kernel does, at window stride 1, reading ``lhs[b, ...,
     f]`` as example ``f``'s feature ``b`` and the rhs dilation as the stride.
-    One and two spatial dimensions, no groups, no lhs dilation (the input
-    gradient of a strided convolution); ``None`` for anything else.
+    One and two spatial dimensions, no groups. An lhs dilation (a transposed
+    convolution, the input gradient of a strided one) only at stride 1
+    without rhs dilation, on the forward kernel one residue of the dilation
+    at a time, never multiplying the dilation's zeros; ``None`` for anything
+    else.
 
     Example:
         >>> x, w = jnp.ones((2, 5, 5, 3)), jnp.ones((3, 3, 3, 16))
@@ -179,7 +216,7 @@ def direct_conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, d
     """
     spatial = lhs.ndim - 2
     if feature_group_count != 1 or batch_group_count != 1 or spatial not in (1, 2) or lhs.size == 0 \
-            or rhs.size == 0 or any(d != 1 for d in lhs_dilation) or not available():
+            or rhs.size == 0 or not available():
         return None
     lspec, rspec, ospec = dimension_numbers
     lhs = lax.transpose(lhs, (lspec[0],) + tuple(lspec[2:]) + (lspec[1],))      # b, spatial..., f
@@ -188,12 +225,18 @@ def direct_conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, d
     if spatial == 1:
         lhs, rhs, pad, size = lhs[:, None], rhs[None], ((0, 0),) + pad, (1,) + size
         window_strides, rhs_dilation = (1,) + tuple(window_strides), (1,) + tuple(rhs_dilation)
+        lhs_dilation = (1,) + tuple(lhs_dilation)
     window = rhs.shape[:2]
-    padded = [n + lo + hi for n, (lo, hi) in zip(size, pad)]
+    padded = [(n - 1) * d + 1 + lo + hi for n, d, (lo, hi) in zip(size, lhs_dilation, pad)]
     out_size = [(p - (k - 1) * d - 1) // s + 1 for p, k, d, s in zip(padded, window, rhs_dilation, window_strides)]
     if min(out_size) < 1:
         return None
-    if math.prod(window) > math.prod(out_size):
+    dilated = any(d != 1 for d in lhs_dilation)
+    if dilated and (any(d != 1 for d in (*window_strides, *rhs_dilation)) or math.prod(window) > math.prod(out_size)):
+        return None
+    if dilated:   # a transposed convolution, or the input gradient of a strided one
+        out = _dilated_input(lhs, rhs, lhs_dilation, pad, out_size)
+    elif math.prod(window) > math.prod(out_size):
         if any(s != 1 for s in window_strides):
             return None
         examples_first = lax.transpose(lhs, (3, 1, 2, 0))                      # f, spatial..., b

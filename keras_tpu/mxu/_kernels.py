@@ -125,11 +125,14 @@ entry a form or a :class:`ShapeRule` (a form above a shape threshold,
 * ``"no_bf16"``: ``round_f32`` for every op.
 * ``"bf16"`` with the direct kernels available: ``bf16_direct`` for every
   ungrouped convolution that neither rule below takes (b128 per core, ms
-  XLA's float32 / direct, kernel alone, best of 25, interleaved:
-  32x32x32->32 3x3 forward 13.7-15.6 / 7.2-9.9, weight gradient 28.5-38.3 /
-  8.7-10.5; 16x16x32->64 forward 6.8-7.5 / 3.3-4.0, weight gradient 10.5-12.0
-  / 4.4-6.2; 16x16x64->64 valid forward 10.8-11.7 / 5.0-6.3, weight gradient
-  13.6-15.8 / 6.4-9.1; the 3-channel first layer forward 5.2-6.4 / 2.5-3.3).
+  XLA's float32 / direct with its operand preparation, best of 25 in each of
+  two interleaved rounds: 32x32x32->32 3x3 forward 15.6-19.1 / 9.9-16.0,
+  weight gradient 38.3-41.4 / 10.2-14.3; 16x16x32->64 forward 7.0-7.5 /
+  3.7-4.0, weight gradient 10.5-12.0 / 4.4-4.6; 16x16x64->64 valid forward
+  10.8-11.7 / 6.0-6.3, weight gradient 14.9-15.8 / 6.4-6.5; the 3-channel
+  first layer forward 6.0-6.4 / 3.2-3.3), except, in evaluation and
+  prediction programs, forward convolutions of fewer than 16 products per
+  output (see :class:`DirectRule`).
 * ``"bf16"``: dots in the forward layout ``bf16`` when M >= 128, N >= 64 and
   K >= 64; input-gradient layout (rhs transposed) ``bf16`` when M >= 256 and
   N >= 128; weight-gradient layout (lhs transposed) ``bf16_swapped`` when
@@ -291,12 +294,29 @@ class GroupedRule:
 class DirectRule:
     """``bf16_direct`` for an ungrouped convolution where the direct kernels run on this host, else ``round_f32``.
 
+    ``inference_min_k``: in an evaluation or prediction program (:func:`lowering_mode`),
+    a convolution contracting fewer than this many products per output (window taps
+    times input features) stays on XLA, which fuses it with its neighbours into one
+    YNNPACK kernel. keras.io's MNIST convnet (a 3x3 convolution of one channel, K = 9,
+    first) evaluated a batch of 128 in 3.5-3.7 ms with its first layer on XLA, 4.3-4.8
+    with it on the kernels and 3.8-4.2 with both layers on XLA; its training step took
+    15.6 ms with both on the kernels, 17.5-21.4 with the first on XLA (in-process,
+    two rounds). The CIFAR-10 CNN's 3-channel first layer (K = 27) evaluates faster on
+    the kernels (with its other layers: 222 against 340 ms per 1024 images).
+
     Example:
         >>> DirectRule()((1, 131072, 288, 32)) in ("bf16_direct", "round_f32"), DirectRule()((32, 65536, 9, 1))
         (True, 'round_f32')
+        >>> with lowering_mode("test"):
+        ...     DirectRule(inference_min_k=16)((1, 86528, 9, 32))
+        'round_f32'
     """
 
+    inference_min_k: int = 1
+
     def __call__(self, gemm):
+        if gemm[2] < self.inference_min_k and _lowering_mode in ("test", "predict"):
+            return ROUND_F32
         return BF16_DIRECT if gemm[0] == 1 and direct.available() else ROUND_F32
 
 
@@ -343,13 +363,26 @@ BUILTIN_TABLES = {
         # own train_step at batch 64 0.95x -> 1.02-1.07x, the 784-512-512-10 MLP at batch 32 0.93-0.96x -> 1.01x,
         # the zoo's MLP 1.80x -> 1.90x; the zoo's other models and users' code choose the same forms as before.
         ("dot", "lhs_transposed"): ShapeRule(BF16_SWAPPED, min_k=16, min_n=64),
-        ("conv", "forward"): FirstMatch((GroupedRule(), FewOutputsRule(), DirectRule())),
+        ("conv", "forward"): FirstMatch((GroupedRule(), FewOutputsRule(), DirectRule(inference_min_k=16))),
         ("conv", "input_grad"): FirstMatch((GroupedRule(), FewOutputsRule(), DirectRule())),
         ("conv", "weight_grad"): DirectRule(),
     },
 }
 
 _forced = None
+_lowering_mode = None
+
+
+@contextlib.contextmanager
+def lowering_mode(mode):
+    """Programs lowered inside the ``with`` block are keras-tpu's ``"train"``, ``"test"`` or ``"predict"``
+    programs (as :func:`compiler_options` names them); some rules choose by it."""
+    global _lowering_mode
+    previous, _lowering_mode = _lowering_mode, mode
+    try:
+        yield
+    finally:
+        _lowering_mode = previous
 
 
 @contextlib.contextmanager
