@@ -39,10 +39,10 @@ CASES = {
                                                         dimension_numbers=("NHWC", "HWIO", "NHWC")), (5, 1)),
     "stride_three": ((2, 12, 13, 5), (5, 3, 5, 16), dict(window_strides=(3, 2), padding=((1, 2), (0, 1)),
                                                          dimension_numbers=("NHWC", "HWIO", "NHWC")), (7, 1)),
-    # A transposed convolution (lhs dilated): four residues; its kernel gradient (lhs dilated too) stays on XLA.
+    # A transposed convolution (lhs dilated): four residues, and four for its kernel gradient (lhs dilated too).
     "transposed": ((2, 5, 6, 8), (3, 3, 8, 16), dict(window_strides=(1, 1), padding=((1, 2), (1, 2)),
                                                      lhs_dilation=(2, 2), dimension_numbers=("NHWC", "HWIO", "NHWC")),
-                   (5, 0)),
+                   (5, 4)),
     "asymmetric_padding": ((2, 8, 9, 4), (3, 3, 4, 16), dict(window_strides=(1, 1), padding=((0, 2), (1, 0)),
                                                              dimension_numbers=("NHWC", "HWIO", "NHWC")), (2, 1)),
     "nchw": ((2, 6, 9, 7), (12, 6, 4, 3), dict(window_strides=(1, 1), padding="SAME",

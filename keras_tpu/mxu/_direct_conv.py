@@ -155,24 +155,31 @@ def _weight_grad(x, g, window, strides, padding):
     return dw if cop == co else dw[..., :co]
 
 
-def _dilated_input(x, w, dilation, padding, out_size):
-    """``_forward`` of ``x`` dilated (``dilation - 1`` zeros between its positions) at stride 1, without
+def _forward_of_residue(x, taps, pad, outputs):
+    return _forward(x, taps, (1, 1), pad)
+
+
+def _weight_grad_of_residue(x, taps, pad, outputs):
+    out = _weight_grad(lax.transpose(x, (3, 1, 2, 0)), jnp.moveaxis(taps, 2, 0), outputs, (1, 1), pad)
+    return jnp.moveaxis(out, 2, 0)
+
+
+def _dilated(x, w, dilation, padding, out_size, convolve):
+    """A stride-1 convolution of ``x`` dilated (``dilation - 1`` zeros between its positions), without
     multiplying the zeros: the output's positions of each residue ``r`` modulo the dilation read only the
-    kernel's taps ``k0, k0 + d, ...`` (``k0 = (lo - r) mod d``), so each residue is a stride-1 convolution of
-    ``x`` with that part of the kernel, and the residues' outputs interleave into the result."""
-    phases = []   # per spatial dim: (residue, first tap, input offset, outputs) of each residue
+    window's taps ``k0, k0 + d, ...`` (``k0 = (lo - r) mod d``), so each residue is a stride-1 convolution of
+    ``x`` with that part of the window (``convolve(x, taps, padding, outputs)``: the forward kernel for a
+    transposed convolution or a strided one's input gradient, the weight-gradient kernel for a transposed
+    convolution's kernel gradient), and the residues' outputs interleave into the result."""
+    residues = []   # per spatial dim: (first tap, input offset, outputs) of each residue
     for d, (lo, _), n_out in zip(dilation, padding, out_size):
-        dim = []
-        for r in range(d):
-            k0 = (lo - r) % d
-            dim.append((k0, (r + k0 - lo) // d, len(range(r, n_out, d))))
-        phases.append(dim)
-    rows = max(a for _, _, a in phases[0])
-    cols = max(a for _, _, a in phases[1])
+        residues.append([((lo - r) % d, (r + (lo - r) % d - lo) // d, len(range(r, n_out, d))) for r in range(d)])
+    rows = max(a for _, _, a in residues[0])
+    cols = max(a for _, _, a in residues[1])
     parts = []
-    for k0h, ch, ah in phases[0]:
+    for k0h, ch, ah in residues[0]:
         row = []
-        for k0w, cw, aw in phases[1]:
+        for k0w, cw, aw in residues[1]:
             taps = w[k0h::dilation[0], k0w::dilation[1]]
             if ah == 0 or aw == 0 or taps.shape[0] == 0 or taps.shape[1] == 0:
                 part = jnp.zeros((x.shape[0], ah, aw, w.shape[3]), jnp.float32)
@@ -180,7 +187,7 @@ def _dilated_input(x, w, dilation, padding, out_size):
                 # Output a reads inputs a + c .. a + c + taps - 1: pad (or crop) x to exactly those.
                 pad = [(-c, a + t - 1 - n + c) for c, a, t, n in zip((ch, cw), (ah, aw), taps.shape[:2],
                                                                     x.shape[1:3])]
-                part = _forward(x, taps, (1, 1), pad)
+                part = convolve(x, taps, pad, (ah, aw))
             row.append(jnp.pad(part, ((0, 0), (0, rows - ah), (0, cols - aw), (0, 0))))
         parts.append(jnp.stack(row))
     stacked = jnp.stack(parts)                                  # dh, dw, b, rows, cols, o
@@ -202,10 +209,9 @@ def direct_conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, d
     the weight-gradient kernel does, at window stride 1, reading ``lhs[b, ...,
     f]`` as example ``f``'s feature ``b`` and the rhs dilation as the stride.
     One and two spatial dimensions, no groups. An lhs dilation (a transposed
-    convolution, the input gradient of a strided one) only at stride 1
-    without rhs dilation, on the forward kernel one residue of the dilation
-    at a time, never multiplying the dilation's zeros; ``None`` for anything
-    else.
+    convolution, its kernel gradient, the input gradient of a strided one)
+    only at stride 1 without rhs dilation, one residue of the dilation at a
+    time, never multiplying the dilation's zeros; ``None`` for anything else.
 
     Example:
         >>> x, w = jnp.ones((2, 5, 5, 3)), jnp.ones((3, 3, 3, 16))
@@ -231,11 +237,13 @@ def direct_conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, d
     out_size = [(p - (k - 1) * d - 1) // s + 1 for p, k, d, s in zip(padded, window, rhs_dilation, window_strides)]
     if min(out_size) < 1:
         return None
-    dilated = any(d != 1 for d in lhs_dilation)
-    if dilated and (any(d != 1 for d in (*window_strides, *rhs_dilation)) or math.prod(window) > math.prod(out_size)):
-        return None
-    if dilated:   # a transposed convolution, or the input gradient of a strided one
-        out = _dilated_input(lhs, rhs, lhs_dilation, pad, out_size)
+    if any(d != 1 for d in lhs_dilation):
+        if any(d != 1 for d in (*window_strides, *rhs_dilation)):
+            return None
+        # A transposed convolution or a strided one's input gradient (forward kernel), or a transposed
+        # convolution's kernel gradient (weight-gradient kernel).
+        convolve = _weight_grad_of_residue if math.prod(window) > math.prod(out_size) else _forward_of_residue
+        out = _dilated(lhs, rhs, lhs_dilation, pad, out_size, convolve)
     elif math.prod(window) > math.prod(out_size):
         if any(s != 1 for s in window_strides):
             return None
