@@ -47,6 +47,11 @@ CASES = {
                                                              dimension_numbers=("NHWC", "HWIO", "NHWC")), (2, 1)),
     "nchw": ((2, 6, 9, 7), (12, 6, 4, 3), dict(window_strides=(1, 1), padding="SAME",
                                                dimension_numbers=("NCHW", "OIHW", "NCHW")), (2, 1)),
+    # Dilated windows (atrous convolutions): the dilation steps over the input rows and columns in both kernels.
+    "atrous": ((2, 11, 9, 6), (3, 3, 6, 16), dict(window_strides=(1, 1), padding="SAME", rhs_dilation=(2, 3),
+                                                  dimension_numbers=("NHWC", "HWIO", "NHWC")), (2, 1)),
+    "conv1d_causal_dilated": ((3, 30, 8), (2, 8, 16), dict(window_strides=(1,), padding=((8, 0),), rhs_dilation=(8,),
+                                                           dimension_numbers=("NWC", "WIO", "NWC")), (2, 1)),
     "conv1d": ((3, 17, 8), (5, 8, 16), dict(window_strides=(1,), padding="SAME",
                                             dimension_numbers=("NWC", "WIO", "NWC")), (2, 1)),
     "conv1d_strided": ((3, 17, 8), (5, 8, 16), dict(window_strides=(2,), padding="VALID",
@@ -89,11 +94,12 @@ def test_covered_convolutions_and_their_gradients_run_on_the_kernels_exactly(rng
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(window_strides=(1, 1), padding="SAME", rhs_dilation=(2, 1), dimension_numbers=("NHWC", "HWIO", "NHWC")),
+    dict(window_strides=(1, 1), padding=((2, 2), (2, 2)), lhs_dilation=(2, 2), rhs_dilation=(2, 1),
+         dimension_numbers=("NHWC", "HWIO", "NHWC")),
     dict(window_strides=(2, 2), padding=((2, 2), (2, 2)), lhs_dilation=(2, 2),
          dimension_numbers=("NHWC", "HWIO", "NHWC")),
     dict(window_strides=(1, 1), padding="SAME", feature_group_count=2, dimension_numbers=("NHWC", "HWIO", "NHWC")),
-], ids=["rhs_dilation", "lhs_dilation_strided", "groups"])
+], ids=["lhs_and_rhs_dilation", "lhs_dilation_strided", "groups"])
 def test_other_convolutions_stay_on_xla(rng, kwargs):
     op = _conv(kwargs)
     rhs_shape = (3, 3, 4 // kwargs.get("feature_group_count", 1), 16)

@@ -5,9 +5,9 @@
 // convolution on it (its bf16 convolutions are converted to float32), so these kernels compute the
 // convolutions directly, without im2col patches:
 //
-// * MxuConvForward: out[n, y, x, o] = sum_{i, j, c} in[n, y*sh + i, x*sw + j, c] w[i, j, c, o] over an input
-//   already padded (a "valid" convolution). The input gradient of a stride-1 convolution is one too.
-// * MxuConvWeightGrad: dw[i, j, c, o] = sum_{n, y, x} in[n, y*sh + i, x*sw + j, c] g[n, y, x, o].
+// * MxuConvForward: out[n, y, x, o] = sum_{i, j, c} in[n, y*sh + i*dh, x*sw + j*dw, c] w[i, j, c, o] over an
+//   input already padded (a "valid" convolution). The input gradient of a stride-1 convolution is one too.
+// * MxuConvWeightGrad: dw[i, j, c, o] = sum_{n, y, x} in[n, y*sh + i*dh, x*sw + j*dw, c] g[n, y, x, o].
 //
 // The instruction sums products in pairs along the contraction, so its operands are interleaved in pairs:
 // the forward kernel's weights as [KH][KW][C/2][O][2] (prepared by the caller, small), the weight gradient's
@@ -97,9 +97,10 @@ using ForwardTileFn = void (*)(const uint16_t*, int64_t, int64_t, int64_t, const
                                int64_t, int64_t, float*);
 
 // One output row: PB columns at a time (fewer at the row's end), CBV*16 features at a time.
+// (dh, dw: the window's dilation, in input rows and columns.)
 template <int CBV, int PB>
-void ForwardRow(const uint16_t* in, int64_t in_row, int64_t sw, int64_t cp, const uint16_t* w, int64_t kh,
-                int64_t kw, int64_t co, float* out, int64_t ow) {
+void ForwardRow(const uint16_t* in, int64_t in_row, int64_t sw, int64_t cp, int64_t dh, int64_t dw,
+                const uint16_t* w, int64_t kh, int64_t kw, int64_t co, float* out, int64_t ow) {
   static const ForwardTileFn tails[8] = {nullptr,
                                          ForwardTile<1, CBV>, ForwardTile<2, CBV>, ForwardTile<3, CBV>,
                                          ForwardTile<4, CBV>, ForwardTile<5, CBV>, ForwardTile<6, CBV>,
@@ -108,10 +109,11 @@ void ForwardRow(const uint16_t* in, int64_t in_row, int64_t sw, int64_t cp, cons
   for (int64_t o = 0; o < co; o += CBV * 16) {
     int64_t x = 0;
     for (; x + PB <= ow; x += PB)
-      ForwardTile<PB, CBV>(in + x * step, in_row, step, cp, w + o * 2, kh, kw, cp / 2, co, out + x * co + o);
+      ForwardTile<PB, CBV>(in + x * step, in_row * dh, step, cp * dw, w + o * 2, kh, kw, cp / 2, co,
+                           out + x * co + o);
     while (x < ow) {
       int64_t pb = std::min<int64_t>(7, ow - x);
-      tails[pb](in + x * step, in_row, step, cp, w + o * 2, kh, kw, cp / 2, co, out + x * co + o);
+      tails[pb](in + x * step, in_row * dh, step, cp * dw, w + o * 2, kh, kw, cp / 2, co, out + x * co + o);
       x += pb;
     }
   }
@@ -119,14 +121,14 @@ void ForwardRow(const uint16_t* in, int64_t in_row, int64_t sw, int64_t cp, cons
 
 // in: [N, Hp, Wp, C] bf16 (C even), w: [KH, KW, C/2, O, 2] bf16 (O % 16 == 0), out: [N, OH, OW, O] f32.
 ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> in, ffi::Buffer<ffi::BF16> w,
-                       ffi::ResultBuffer<ffi::F32> out, int64_t sh, int64_t sw) {
+                       ffi::ResultBuffer<ffi::F32> out, int64_t sh, int64_t sw, int64_t dh, int64_t dw) {
   auto xd = in.dimensions(), wd = w.dimensions(), od = out->dimensions();
   if (xd.size() != 4 || wd.size() != 5 || od.size() != 4)
     return ffi::Error::InvalidArgument("MxuConvForward: operands of rank 4, 5 and 4 expected");
   const int64_t n = xd[0], hp = xd[1], wp = xd[2], c = xd[3];
   const int64_t kh = wd[0], kw = wd[1], co = wd[3], oh = od[1], ow = od[2];
-  if (c != 2 * wd[2] || wd[4] != 2 || co % 16 != 0 || od[0] != n || od[3] != co || sh < 1 || sw < 1 ||
-      (oh - 1) * sh + kh > hp || (ow - 1) * sw + kw > wp)
+  if (c != 2 * wd[2] || wd[4] != 2 || co % 16 != 0 || od[0] != n || od[3] != co || sh < 1 || sw < 1 || dh < 1 ||
+      dw < 1 || (oh - 1) * sh + (kh - 1) * dh + 1 > hp || (ow - 1) * sw + (kw - 1) * dw + 1 > wp)
     return ffi::Error::InvalidArgument("MxuConvForward: shapes do not match");
   const uint16_t* x = reinterpret_cast<const uint16_t*>(in.untyped_data());
   const uint16_t* wt = reinterpret_cast<const uint16_t*>(w.untyped_data());
@@ -136,9 +138,9 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> in, ffi::Buf
     const int64_t b = r / oh, row = r % oh;
     const uint16_t* xr = x + (b * hp + row * sh) * in_row;
     float* yr = y + r * ow * co;
-    if (co % 64 == 0) ForwardRow<4, 6>(xr, in_row, sw, c, wt, kh, kw, co, yr, ow);
-    else if (co % 32 == 0) ForwardRow<2, 12>(xr, in_row, sw, c, wt, kh, kw, co, yr, ow);
-    else ForwardRow<1, 24>(xr, in_row, sw, c, wt, kh, kw, co, yr, ow);
+    if (co % 64 == 0) ForwardRow<4, 6>(xr, in_row, sw, c, dh, dw, wt, kh, kw, co, yr, ow);
+    else if (co % 32 == 0) ForwardRow<2, 12>(xr, in_row, sw, c, dh, dw, wt, kh, kw, co, yr, ow);
+    else ForwardRow<1, 24>(xr, in_row, sw, c, dh, dw, wt, kh, kw, co, yr, ow);
   });
   return ffi::Error::Success();
 }
@@ -191,7 +193,7 @@ using WeightGradTileFn = void (*)(const uint16_t*, const uint16_t*, int64_t, int
                                   int64_t, float*);
 
 struct WeightGradShape {
-  int64_t n, hp, wp, c, oh, ow, co, kh, kw, sh, sw;
+  int64_t n, hp, wp, c, oh, ow, co, kh, kw, sh, sw, dh, dw;
 };
 
 // Adds the output rows [y0, y1) of image b to dw: interleaves their input rows and gradient rows into pairs of
@@ -206,7 +208,7 @@ void WeightGradChunk(const WeightGradShape& s, const uint16_t* x, const uint16_t
                                               WeightGradTile<10, CBV>, WeightGradTile<11, CBV>,
                                               WeightGradTile<12, CBV>};
   const int64_t pairs = (s.ow + 1) / 2, rows = y1 - y0;
-  const int64_t in_rows = (rows - 1) * s.sh + s.kh;
+  const int64_t in_rows = (rows - 1) * s.sh + (s.kh - 1) * s.dh + 1;
   const int64_t x_row = s.wp * s.c * 2, g_row = pairs * s.co * 2;
   xbuf.resize(in_rows * x_row);
   gbuf.resize(rows * g_row);
@@ -225,7 +227,7 @@ void WeightGradChunk(const WeightGradShape& s, const uint16_t* x, const uint16_t
   const int64_t x_pair = 2 * s.sw * s.c * 2;  // the next pair of output columns, in xq's elements
   for (int64_t i = 0; i < s.kh; ++i) {
     for (int64_t j = 0; j < s.kw; ++j) {
-      const uint16_t* xk = xbuf.data() + i * x_row + j * s.c * 2;
+      const uint16_t* xk = xbuf.data() + i * s.dh * x_row + j * s.dw * s.c * 2;
       float* dwk = dw + (i * s.kw + j) * s.c * s.co;
       for (int64_t o = 0; o < s.co; o += CBV * 16) {
         int64_t c = 0;
@@ -245,13 +247,13 @@ void WeightGradChunk(const WeightGradShape& s, const uint16_t* x, const uint16_t
 
 // in: [N, Hp, Wp, C] bf16, g: [N, OH, OW, O] bf16 (O % 16 == 0), dw: [KH, KW, C, O] f32.
 ffi::Error WeightGradImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> in, ffi::Buffer<ffi::BF16> grad,
-                          ffi::ResultBuffer<ffi::F32> dw, int64_t sh, int64_t sw) {
+                          ffi::ResultBuffer<ffi::F32> dw, int64_t sh, int64_t sw, int64_t dh, int64_t dwd) {
   auto xd = in.dimensions(), gd = grad.dimensions(), dd = dw->dimensions();
   if (xd.size() != 4 || gd.size() != 4 || dd.size() != 4)
     return ffi::Error::InvalidArgument("MxuConvWeightGrad: operands of rank 4 expected");
-  const WeightGradShape s{xd[0], xd[1], xd[2], xd[3], gd[1], gd[2], gd[3], dd[0], dd[1], sh, sw};
-  if (dd[2] != s.c || dd[3] != s.co || s.co % 16 != 0 || gd[0] != s.n || sh < 1 || sw < 1 ||
-      (s.oh - 1) * sh + s.kh > s.hp || (s.ow - 1) * sw + s.kw > s.wp)
+  const WeightGradShape s{xd[0], xd[1], xd[2], xd[3], gd[1], gd[2], gd[3], dd[0], dd[1], sh, sw, dh, dwd};
+  if (dd[2] != s.c || dd[3] != s.co || s.co % 16 != 0 || gd[0] != s.n || sh < 1 || sw < 1 || dh < 1 || dwd < 1 ||
+      (s.oh - 1) * sh + (s.kh - 1) * dh + 1 > s.hp || (s.ow - 1) * sw + (s.kw - 1) * dwd + 1 > s.wp)
     return ffi::Error::InvalidArgument("MxuConvWeightGrad: shapes do not match");
   const uint16_t* x = reinterpret_cast<const uint16_t*>(in.untyped_data());
   const uint16_t* g = reinterpret_cast<const uint16_t*>(grad.untyped_data());
@@ -291,7 +293,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MxuConvForward, ForwardImpl,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("sh")
-                                  .Attr<int64_t>("sw"));
+                                  .Attr<int64_t>("sw")
+                                  .Attr<int64_t>("dh")
+                                  .Attr<int64_t>("dw"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MxuConvWeightGrad, WeightGradImpl,
                               ffi::Ffi::Bind()
@@ -300,4 +304,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MxuConvWeightGrad, WeightGradImpl,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("sh")
-                                  .Attr<int64_t>("sw"));
+                                  .Attr<int64_t>("sw")
+                                  .Attr<int64_t>("dh")
+                                  .Attr<int64_t>("dw"));

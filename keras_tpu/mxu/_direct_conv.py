@@ -10,8 +10,8 @@ gradient. This module compiles it once per host into a cache directory (the
 C++ compiler and jaxlib's FFI headers are all it needs), registers its two
 handlers with XLA, and states a ``conv_general_dilated`` in their terms:
 :func:`direct_conv` returns ``None`` for anything they do not cover
-(feature or batch groups, dilations, more than two spatial dimensions, the
-input gradient of a strided convolution), which then runs as before.
+(feature or batch groups, more than two spatial dimensions, a dilated
+input together with a stride or a dilated window), which then runs as before.
 
 The kernels are used only where :func:`available` (an x86 host with
 AVX-512 BF16, a compiler, ``KERAS_TPU_DIRECT_CONV`` not ``0``); the form
@@ -127,8 +127,13 @@ def _round_up(n, multiple):
     return -(-n // multiple) * multiple
 
 
-def _forward(x, w, strides, padding):
-    """``out[n, y, x, o] = sum x[n, y*sh + i - pad, x*sw + j - pad, c] w[i, j, c, o]``; x NHWC, w HWIO."""
+def _geometry(strides, dilation):
+    """The kernels' attributes: strides and window dilation, per spatial dimension."""
+    return dict(sh=np.int64(strides[0]), sw=np.int64(strides[1]), dh=np.int64(dilation[0]), dw=np.int64(dilation[1]))
+
+
+def _forward(x, w, strides, padding, dilation=(1, 1)):
+    """``out[n, y, x, o] = sum x[n, y*sh + i*dh - pad, x*sw + j*dw - pad, c] w[i, j, c, o]``; x NHWC, w HWIO."""
     c, co = w.shape[2], w.shape[3]
     cp, cop = _round_up(c, 2), _round_up(co, 16)
     # Spatial padding (negative crops) and an even number of input features, in one pass with the bf16 cast.
@@ -137,21 +142,22 @@ def _forward(x, w, strides, padding):
     w = jnp.pad(w.astype(jnp.bfloat16), ((0, 0), (0, 0), (0, cp - c), (0, cop - co)))
     kh, kw = w.shape[:2]
     w = w.reshape(kh, kw, cp // 2, 2, cop).transpose(0, 1, 2, 4, 3)     # pairs of input features
-    oh, ow = (x.shape[1] - kh) // strides[0] + 1, (x.shape[2] - kw) // strides[1] + 1
+    oh = (x.shape[1] - (kh - 1) * dilation[0] - 1) // strides[0] + 1
+    ow = (x.shape[2] - (kw - 1) * dilation[1] - 1) // strides[1] + 1
     out = jax.ffi.ffi_call(_FORWARD, jax.ShapeDtypeStruct((x.shape[0], oh, ow, cop), jnp.float32))(
-        x, w, sh=np.int64(strides[0]), sw=np.int64(strides[1]))
+        x, w, **_geometry(strides, dilation))
     return out if cop == co else out[..., :co]
 
 
-def _weight_grad(x, g, window, strides, padding):
-    """``dw[i, j, c, o] = sum x[n, y*sh + i - pad, x*sw + j - pad, c] g[n, y, x, o]``; x, g NHWC."""
+def _weight_grad(x, g, window, strides, padding, dilation=(1, 1)):
+    """``dw[i, j, c, o] = sum x[n, y*sh + i*dh - pad, x*sw + j*dw - pad, c] g[n, y, x, o]``; x, g NHWC."""
     co = g.shape[3]
     cop = _round_up(co, 16)
     x = lax.pad(x.astype(jnp.bfloat16), jnp.zeros((), jnp.bfloat16),
                 [(0, 0, 0)] + [(lo, hi, 0) for lo, hi in padding] + [(0, 0, 0)])
     g = jnp.pad(g.astype(jnp.bfloat16), ((0, 0), (0, 0), (0, 0), (0, cop - co)))
     dw = jax.ffi.ffi_call(_WEIGHT_GRAD, jax.ShapeDtypeStruct(tuple(window) + (x.shape[3], cop), jnp.float32))(
-        x, g, sh=np.int64(strides[0]), sw=np.int64(strides[1]))
+        x, g, **_geometry(strides, dilation))
     return dw if cop == co else dw[..., :co]
 
 
@@ -204,10 +210,11 @@ def direct_conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, d
     y*stride + k*rhs_dilation - pad, f] rhs[k, f, o]`` (axes named by its
     dimension numbers). Where the rhs's window is smaller than the output
     (a forward convolution, autodiff's input gradient) the forward kernel
-    computes it, without rhs dilation. Where it is larger (autodiff's weight
-    gradient: the rhs is the output gradient, the result the kernel's shape)
-    the weight-gradient kernel does, at window stride 1, reading ``lhs[b, ...,
-    f]`` as example ``f``'s feature ``b`` and the rhs dilation as the stride.
+    computes it. Where it is larger (autodiff's weight gradient: the rhs is
+    the output gradient, the result the kernel's shape) the weight-gradient
+    kernel does, reading ``lhs[b, ..., f]`` as example ``f``'s feature ``b``,
+    the rhs dilation as the stride and the window stride as the taps'
+    dilation.
     One and two spatial dimensions, no groups. An lhs dilation (a transposed
     convolution, its kernel gradient, the input gradient of a strided one)
     only at stride 1 without rhs dilation, one residue of the dilation at a
@@ -245,15 +252,12 @@ def direct_conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, d
         convolve = _weight_grad_of_residue if math.prod(window) > math.prod(out_size) else _forward_of_residue
         out = _dilated(lhs, rhs, lhs_dilation, pad, out_size, convolve)
     elif math.prod(window) > math.prod(out_size):
-        if any(s != 1 for s in window_strides):
-            return None
+        # The rhs dilation steps over the examples' positions, the window stride over the taps.
         examples_first = lax.transpose(lhs, (3, 1, 2, 0))                      # f, spatial..., b
-        out = _weight_grad(examples_first, jnp.moveaxis(rhs, 2, 0), out_size, rhs_dilation, pad)
+        out = _weight_grad(examples_first, jnp.moveaxis(rhs, 2, 0), out_size, rhs_dilation, pad, window_strides)
         out = jnp.moveaxis(out, 2, 0)                                            # b, spatial..., o
     else:
-        if any(d != 1 for d in rhs_dilation):
-            return None
-        out = _forward(lhs, rhs, window_strides, pad)                            # b, spatial..., o
+        out = _forward(lhs, rhs, window_strides, pad, rhs_dilation)              # b, spatial..., o
     if spatial == 1:
         out = out[:, 0]
     order = (ospec[0],) + tuple(ospec[2:]) + (ospec[1],)      # the axes of ``out``, as dimension_numbers numbers them
