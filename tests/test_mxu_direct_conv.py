@@ -24,6 +24,13 @@ pytestmark = pytest.mark.skipif(not direct.available(), reason="needs an x86 hos
 
 FORWARD, WEIGHT_GRAD = "keras_tpu_mxu_conv_forward", "keras_tpu_mxu_conv_weight_grad"
 
+
+@pytest.fixture(autouse=True)
+def _kernels_wherever_they_run(monkeypatch):
+    # These tests are about the kernels themselves: take them wherever they run, whether or not this host measured
+    # them faster than XLA's convolutions (keras_tpu.mxu._kernels.conv_kernels_here).
+    monkeypatch.setenv("KERAS_TPU_DIRECT_CONV", "1")
+
 CASES = {
     # name: (lhs shape, rhs shape, conv kwargs, (forward kernel calls, weight-gradient calls) in value and grads)
     "same_odd_features": ((2, 9, 7, 5), (3, 3, 5, 20), dict(window_strides=(1, 1), padding="SAME",

@@ -75,8 +75,13 @@ CONV_CASES = {
 }
 
 
-#: The built-in table's form for an ordinary convolution on a bf16 host: the direct kernels where they run.
-DIRECT = kernels.BF16_DIRECT if direct.available() else kernels.ROUND_F32
+def direct_for(layout):
+    """The built-in table's form for an ordinary convolution of ``layout`` in training on a bf16 host: the direct
+    kernels where they run and this host measured them faster than XLA's convolutions (for that layout)."""
+    chosen = kernels.conv_kernels_here() if direct.available() else kernels.ROUND_F32
+    if chosen == kernels.BF16_DIRECT or chosen == kernels.DIRECT_WEIGHT_GRADIENTS and layout == "weight_grad":
+        return kernels.BF16_DIRECT
+    return kernels.ROUND_F32
 
 
 def integers(rng, shape):
@@ -364,8 +369,16 @@ def test_a_swapped_weight_gradient_reaches_the_optimizer_without_a_float32_trans
     np.testing.assert_allclose(grads[kernels.BF16_SWAPPED], grads[kernels.BF16_CANONICAL], rtol=1e-5, atol=1e-6)
 
 
-def test_bf16_host_table_takes_native_forms_only_where_they_were_measured_faster():
+def test_bf16_host_table_takes_native_forms_only_where_they_were_measured_faster(monkeypatch):
     choice = lambda kind, layout, gemm: kernels.builtin_choice("bf16", kind, layout, gemm)
+    # On a host whose native bf16 products measured slower than float32 ones, no dot is native.
+    monkeypatch.setattr(kernels, "native_bf16_dots_here", lambda: False)
+    for layout in ("forward", "rhs_transposed", "lhs_transposed"):
+        assert choice("dot", layout, (1, 1024, 1024, 1024)) == kernels.ROUND_F32
+        assert kernels.choose_form("dot", layout, (1, 1024, 1024, 1024), bf16_operand=True) in (
+            kernels.ROUND_F32, kernels.builtin_choice(kernels.host_class(), "dot", layout, (1, 1024, 1024, 1024)))
+    # On one where they measured faster (an AMD EPYC, Zen 4), the table's shape rules decide:
+    monkeypatch.setattr(kernels, "native_bf16_dots_here", lambda: True)
     # The MLP's hidden layers: native bf16 in all three layouts of the training step.
     assert choice("dot", "forward", (1, 1024, 784, 1024)) == kernels.BF16
     assert choice("dot", "rhs_transposed", (1, 1024, 1024, 784)) == kernels.BF16
@@ -394,7 +407,7 @@ def test_bf16_host_table_takes_native_forms_only_where_they_were_measured_faster
     assert choice("dot", "both_transposed", (1, 1024, 1024, 1024)) == kernels.ROUND_F32
     # XLA's bf16 convolution forms were never faster than its float32 one; the direct kernels are, where they run.
     for layout in kernels.CONV_LAYOUTS:
-        assert choice("conv", layout, (1, 131072, 288, 32)) == DIRECT
+        assert choice("conv", layout, (1, 131072, 288, 32)) == direct_for(layout)
     # Hosts without bf16 instructions keep round_f32 everywhere.
     assert kernels.builtin_choice("no_bf16", "dot", "forward", (1, 1024, 784, 1024)) == kernels.ROUND_F32
 
@@ -469,7 +482,7 @@ def test_bf16_host_table_sums_depthwise_convolutions_over_their_taps():
     assert choice("forward", depthwise) == kernels.TAPS
     assert choice("input_grad", depthwise) == kernels.TAPS
     assert choice("weight_grad", (128, 9, 65536, 1)) == kernels.ROUND_F32   # measured slower summed
-    assert choice("forward", (1, 65536, 288, 32)) == DIRECT                 # an ordinary convolution
+    assert choice("forward", (1, 65536, 288, 32)) == direct_for("forward")                 # an ordinary convolution
 
 
 def test_eager_calls_follow_the_forced_form(rng):
@@ -540,8 +553,8 @@ def test_bf16_host_table_takes_output_taps_only_for_three_outputs_or_fewer():
     choice = lambda layout, gemm: kernels.builtin_choice("bf16", "conv", layout, gemm)
     assert choice("forward", (1, 131072, 288, 3)) == kernels.OUTPUT_TAPS
     assert choice("input_grad", (1, 131072, 288, 1)) == kernels.OUTPUT_TAPS
-    assert choice("forward", (1, 131072, 288, 4)) == DIRECT      # output_taps measured slower, erratic
-    assert choice("weight_grad", (1, 27, 131072, 3)) == DIRECT
+    assert choice("forward", (1, 131072, 288, 4)) == direct_for("forward")      # output_taps measured slower, erratic
+    assert choice("weight_grad", (1, 27, 131072, 3)) == direct_for("weight_grad")
     assert choice("forward", (128, 65536, 9, 1)) == kernels.TAPS           # depthwise: taps first
     assert kernels.builtin_choice("no_bf16", "conv", "forward", (1, 131072, 288, 3)) == kernels.ROUND_F32
     # More than 49 columns (taps times outputs) are left to XLA's convolution even when forced.

@@ -128,6 +128,7 @@ def test_a_dot_reading_a_rounded_weight_runs_native_where_that_was_measured_fast
     from keras_tpu.mxu import _kernels as kernels
 
     monkeypatch.setattr(kernels, "host_class", lambda: "bf16")
+    monkeypatch.setattr(kernels, "native_bf16_dots_here", lambda: True)   # a host whose native products are faster
     choose = lambda gemm, rounded: kernels.choose_form("dot", "forward", gemm, bf16_operand=rounded)
     # At batch 32 a float32 forward dot stays on round_f32; with the weight already in bf16 it goes native.
     assert [choose((1, 32, 784, 512), False), choose((1, 32, 784, 512), True)] == ["round_f32", "bf16"]
@@ -142,6 +143,11 @@ def test_a_dot_reading_a_rounded_weight_runs_native_where_that_was_measured_fast
     monkeypatch.setattr(kernels, "host_class", lambda: "no_bf16")
     assert choose((1, 32, 784, 512), True) == "round_f32"
     assert input_grad((1, 32, 512, 784), True) == "round_f32"
+    # A bf16 host whose native products measured slower keeps round_f32 for copies too.
+    monkeypatch.setattr(kernels, "host_class", lambda: "bf16")
+    monkeypatch.setattr(kernels, "native_bf16_dots_here", lambda: False)
+    assert choose((1, 32, 784, 512), True) == "round_f32"
+    assert input_grad((1, 64, 10, 256), True) == "round_f32"
 
 
 def test_only_weights_a_product_reads_get_a_copy():

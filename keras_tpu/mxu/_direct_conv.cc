@@ -20,9 +20,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -33,6 +35,9 @@ namespace {
 
 // body(item, worker) for every item in [0, items), on up to `workers` threads of the pool (the caller is one).
 // Items are claimed dynamically, so a pool thread that starts late (busy with other work) delays nothing.
+// The caller waits for the items others still hold by spinning briefly, then asleep: on a loaded host a pool
+// thread can be descheduled in the middle of an item, and a caller spinning until it returns would hold a CPU
+// that thread may need to finish.
 template <typename F>
 void ParallelFor(ffi::ThreadPool& pool, int64_t items, int64_t workers, const F& body) {
   workers = std::max<int64_t>(1, std::min(workers, items));
@@ -42,6 +47,8 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t items, int64_t workers, const F&
   }
   struct State {
     std::atomic<int64_t> next{0}, done{0}, worker{0};
+    std::mutex mutex;
+    std::condition_variable finished;
   };
   auto state = std::make_shared<State>();
   const F* fn = &body;
@@ -50,12 +57,20 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t items, int64_t workers, const F&
     int64_t worker = state->worker.fetch_add(1);
     for (int64_t i; (i = state->next.fetch_add(1)) < items;) {
       (*fn)(i, worker);
-      state->done.fetch_add(1, std::memory_order_release);
+      if (state->done.fetch_add(1, std::memory_order_acq_rel) + 1 == items) {
+        std::lock_guard<std::mutex> lock(state->mutex);   // the waiter checks `done` under it: no lost wake-up
+        state->finished.notify_all();
+      }
     }
   };
   for (int64_t t = 1; t < workers; ++t) pool.Schedule([work]() { work(); });
   work();
-  while (state->done.load(std::memory_order_acquire) < items) _mm_pause();
+  auto all_done = [&state, items]() { return state->done.load(std::memory_order_acquire) >= items; };
+  for (int spin = 0; spin < 2000 && !all_done(); ++spin) _mm_pause();   // a few microseconds
+  if (!all_done()) {
+    std::unique_lock<std::mutex> lock(state->mutex);
+    state->finished.wait(lock, all_done);
+  }
 }
 
 int64_t PoolThreads(ffi::ThreadPool& pool) { return std::max<int64_t>(1, pool.num_threads()); }

@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from keras_tpu.mxu._host_speed import cache_directories
+
 logger = logging.getLogger("keras_tpu")
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "_direct_conv.cc")
@@ -53,13 +55,6 @@ def _cpu_flags():
     return set()
 
 
-def _cache_dirs():
-    """Where the compiled kernels are kept: ``KERAS_TPU_CACHE_DIR`` or the user's cache, else a temporary one."""
-    root = os.environ.get("KERAS_TPU_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "keras_tpu")
-    return os.path.join(root, "kernels"), os.path.join(tempfile.gettempdir(), f"keras_tpu-{os.getuid()}", "kernels")
-
-
 def _compile(compiler):
     """The path of the compiled library, built into the cache directory unless it is there already."""
     with open(_SOURCE, "rb") as f:
@@ -68,10 +63,10 @@ def _compile(compiler):
     key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(),
                                      jax.ffi.include_dir().encode(), jax.__version__.encode()])).hexdigest()[:16]
     name = f"direct_conv-{key}.so"
-    for directory in _cache_dirs():
+    for directory in cache_directories("kernels"):
         if os.path.exists(os.path.join(directory, name)):
             return os.path.join(directory, name)
-    for directory in _cache_dirs():
+    for directory in cache_directories("kernels"):
         try:
             os.makedirs(directory, exist_ok=True)
             fd, staging = tempfile.mkstemp(suffix=".so", dir=directory)
@@ -79,7 +74,7 @@ def _compile(compiler):
         except OSError:   # not writable: the next place
             continue
     else:
-        raise OSError(f"No writable directory for the compiled kernels among {_cache_dirs()}.")
+        raise OSError(f"No writable directory for the compiled kernels among {cache_directories('kernels')}.")
     os.close(fd)
     logger.info("keras-tpu: compiling its MXU convolution kernels for this host (once; a few seconds) into %s",
                 directory)
@@ -94,6 +89,17 @@ def _compile(compiler):
     return os.path.join(directory, name)
 
 
+def always_on():
+    """Whether ``KERAS_TPU_DIRECT_CONV=1`` asks for the kernels wherever they run, without timing them against XLA's
+    (see :func:`keras_tpu.mxu._kernels.conv_kernels_here`).
+
+    Example:
+        >>> always_on() in (True, False)
+        True
+    """
+    return os.environ.get("KERAS_TPU_DIRECT_CONV", "auto").strip() == "1"
+
+
 @functools.lru_cache(maxsize=None)
 def available():
     """Whether the direct convolution kernels run on this host (compiled and registered on first call).
@@ -102,7 +108,7 @@ def available():
         >>> available() in (True, False)
         True
     """
-    if os.environ.get("KERAS_TPU_DIRECT_CONV", "1").strip() == "0":
+    if os.environ.get("KERAS_TPU_DIRECT_CONV", "auto").strip() == "0":
         return False
     if "avx512_bf16" not in _cpu_flags():
         return False

@@ -178,8 +178,13 @@ import os
 import jax.numpy as jnp
 from jax import lax
 
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
 from keras_tpu import _rewrite as rewrite
 from keras_tpu.mxu import _direct_conv as direct
+from keras_tpu.mxu import _host_speed as host_speed
 
 ROUND_F32 = "round_f32"
 BF16 = "bf16"
@@ -292,7 +297,8 @@ class GroupedRule:
 
 @dataclasses.dataclass(frozen=True)
 class DirectRule:
-    """``bf16_direct`` for an ungrouped convolution where the direct kernels run on this host, else ``round_f32``.
+    """``bf16_direct`` for an ungrouped convolution where the direct kernels run on this host and measured faster
+    than XLA's convolutions there (:func:`conv_kernels_here`), else ``round_f32``.
 
     ``inference_min_k``: in an evaluation or prediction program (:func:`lowering_mode`),
     a convolution contracting fewer than this many products per output (window taps
@@ -313,11 +319,16 @@ class DirectRule:
     """
 
     inference_min_k: int = 1
+    layout: str = "forward"
 
     def __call__(self, gemm):
-        if gemm[2] < self.inference_min_k and _lowering_mode in ("test", "predict"):
+        inference = _lowering_mode in ("test", "predict")
+        if gemm[2] < self.inference_min_k and inference or gemm[0] != 1 or not direct.available():
             return ROUND_F32
-        return BF16_DIRECT if gemm[0] == 1 and direct.available() else ROUND_F32
+        chosen = conv_kernels_here(inference)
+        if chosen == BF16_DIRECT or chosen == DIRECT_WEIGHT_GRADIENTS and self.layout == "weight_grad":
+            return BF16_DIRECT
+        return ROUND_F32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,6 +350,22 @@ class FirstMatch:
         return ROUND_F32
 
 
+@dataclasses.dataclass(frozen=True)
+class WhereNativeIsFaster:
+    """``rule``'s form on a host whose native bf16 products measured faster (:func:`native_bf16_dots_here`), else
+    ``round_f32``.
+
+    Example:
+        >>> WhereNativeIsFaster(ShapeRule(BF16))((1, 1024, 1024, 1024)) in ("bf16", "round_f32")
+        True
+    """
+
+    rule: object
+
+    def __call__(self, gemm):
+        return self.rule(gemm) if native_bf16_dots_here() else ROUND_F32
+
+
 # Best form per (kind, layout) and host class: a form, or a ShapeRule choosing by the GEMM's
 # shape; missing entries are round_f32. See the module docstring for the numbers.
 BUILTIN_TABLES = {
@@ -349,8 +376,8 @@ BUILTIN_TABLES = {
         # 1.4-2x in the input-gradient layout from M >= 256 and N >= 128 (0.73x at 128 rows x 3136, 0.88-0.99x at
         # N = 64), and 1.7-3.9x for weight gradients in the canonical layout from K >= 128 contracted rows up to
         # 16384 (the LSTM's 256-row gradients 2.5-3.9x, the Transformer's 16384-row FFN gradients 1.7-2.2x).
-        ("dot", "forward"): ShapeRule(BF16, min_free=64, min_k=64, min_m=128),
-        ("dot", "rhs_transposed"): ShapeRule(BF16, min_free=128, min_m=256),
+        ("dot", "forward"): WhereNativeIsFaster(ShapeRule(BF16, min_free=64, min_k=64, min_m=128)),
+        ("dot", "rhs_transposed"): WhereNativeIsFaster(ShapeRule(BF16, min_free=128, min_m=256)),
         # Weight gradients swapped, not canonical: autodiff transposes a weight gradient's result back into the
         # weight's shape, and the swapped product's own transpose cancels it (canonical left a strided f32
         # transpose, fused into each optimizer update: the MLP's train step 23.5 -> 19.8 ms, Transformer's
@@ -362,10 +389,10 @@ BUILTIN_TABLES = {
         # 57 / 40 / 23 loses. Train step, in-process A/B against plain Keras: keras.io's 784-256-10 model with its
         # own train_step at batch 64 0.95x -> 1.02-1.07x, the 784-512-512-10 MLP at batch 32 0.93-0.96x -> 1.01x,
         # the zoo's MLP 1.80x -> 1.90x; the zoo's other models and users' code choose the same forms as before.
-        ("dot", "lhs_transposed"): ShapeRule(BF16_SWAPPED, min_k=16, min_n=64),
+        ("dot", "lhs_transposed"): WhereNativeIsFaster(ShapeRule(BF16_SWAPPED, min_k=16, min_n=64)),
         ("conv", "forward"): FirstMatch((GroupedRule(), FewOutputsRule(), DirectRule(inference_min_k=16))),
-        ("conv", "input_grad"): FirstMatch((GroupedRule(), FewOutputsRule(), DirectRule())),
-        ("conv", "weight_grad"): DirectRule(),
+        ("conv", "input_grad"): FirstMatch((GroupedRule(), FewOutputsRule(), DirectRule(layout="input_grad"))),
+        ("conv", "weight_grad"): DirectRule(layout="weight_grad"),
     },
 }
 
@@ -418,7 +445,7 @@ def forced_form():
 
 def choice_key():
     """What the form choice depends on besides the op (for caches of lowered programs)."""
-    return forced_form(), os.environ.get("KERAS_TPU_MXU_KERNEL_TABLE")
+    return forced_form(), os.environ.get("KERAS_TPU_MXU_KERNEL_TABLE"), direct.always_on()
 
 
 @functools.lru_cache(maxsize=None)
@@ -533,10 +560,188 @@ def compiler_options(mode="train", program=None):
     fusion_types = _YNN_FUSION_TYPES.get(host, _YNN_FUSION_TYPES["no_bf16"])[mode]
     if mode != "train" and host in _INFERENCE_WITHOUT_WINDOWS and program is not None and not has_windows(program):
         fusion_types = _INFERENCE_WITHOUT_WINDOWS[host]
+    elif mode != "train" and host == "bf16" and conv_kernels_here(inference=True) == ROUND_F32_YNNPACK:
+        fusion_types = None   # XLA's defaults: YNNPACK's convolutions measured fastest on this host
     options = dict(_EXACT_ROUNDING)
     if fusion_types is not None:
         options["xla_cpu_experimental_ynn_fusion_type"] = fusion_types
     return options
+
+
+# ----------------------------------------------------------------------------- measured on the host
+
+#: keras-tpu's inference options with XLA's float32 convolutions of bf16-valued operands (Eigen's), and XLA's
+#: default options, which hand those convolutions to YNNPACK: the two ways besides ``bf16_direct`` that an
+#: evaluation or prediction program can run its convolutions in (:func:`conv_kernels_here`).
+ROUND_F32_YNNPACK = "round_f32_ynnpack"
+#: A training program's weight-gradient convolutions on keras-tpu's kernels, its others on XLA's.
+DIRECT_WEIGHT_GRADIENTS = "bf16_direct_weight_gradients"
+
+#: The block a host is timed on (:func:`conv_kernels_here`): one core's share (64 images) of the README's
+#: CIFAR-10 CNN's second block, two 32x32x32 -> 32 3x3 convolutions with their biases and ReLUs and a 2x2 max
+#: pooling (NHWC / HWIO), as an evaluation runs it, or with the gradients of a loss, as training runs it.
+TIMED_CONV_BLOCK = ((64, 32, 32, 32), (3, 3, 32, 32))
+_TIMED_CONV_VERSION = "3"   # change it whenever what is timed changes: every host measures again
+_CONV_GEOMETRY = ("window_strides", "padding", "lhs_dilation", "rhs_dilation", "dimension_numbers",
+                  "feature_group_count", "batch_group_count")
+
+
+def _timed_conv_block(training):
+    """The timed block's program as JAX traces it, flat (every convolution at its top level), and its arguments
+    (bf16-valued float32 arrays): the block's output, or in training the gradients of a loss of it."""
+    x_shape, w_shape = TIMED_CONV_BLOCK
+    keys = jax.random.split(jax.random.key(0), 3)
+    bf16_valued = lambda key, shape: jax.random.normal(key, shape).astype(jnp.bfloat16).astype(jnp.float32)
+    x = bf16_valued(keys[0], x_shape)
+    params = (bf16_valued(keys[1], w_shape), jnp.zeros(w_shape[3]), bf16_valued(keys[2], w_shape), jnp.zeros(w_shape[3]))
+
+    def block(params, x):
+        for w, b in zip(params[::2], params[1::2]):
+            x = lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+            x = jnp.maximum(x + b, 0.0)
+        return lax.reduce_window(x, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+
+    if training:
+        step = jax.value_and_grad(lambda params, x: jnp.mean(block(params, x) ** 2))
+        return jax.make_jaxpr(step)(params, x), (params, x)
+    return jax.make_jaxpr(block)(params, x), (params, x)
+
+
+def _with_forms(closed, conv_form=None, dot_form=None):
+    """``closed`` (a ``ClosedJaxpr``) as a function whose convolutions (``conv_form(layout)``) and dots
+    (``dot_form(layout)``) are each one MXU pass in that form, as at the default precision (operands rounded to bfloat16, products summed
+    in float32); ``None`` leaves them as they are."""
+    def run(*args):
+        env = dict(zip(closed.jaxpr.constvars, closed.consts))
+        env.update(zip(closed.jaxpr.invars, args))
+        read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
+        for eqn in closed.jaxpr.eqns:
+            operands = [read(v) for v in eqn.invars]
+            name, params = eqn.primitive.name, eqn.params
+            if name == "conv_general_dilated" and conv_form is not None:
+                form = conv_form(conv_layout(params["dimension_numbers"]))
+                rounded = [x.astype(jnp.bfloat16).astype(operand_dtype(form)) for x in operands]
+                outs = [conv_pass(*rounded, {k: params[k] for k in _CONV_GEOMETRY}, form)]
+            elif name == "dot_general" and dot_form is not None:
+                form = dot_form(dot_layout(operands[0].ndim, operands[1].ndim, params["dimension_numbers"]))
+                rounded = [x.astype(jnp.bfloat16).astype(operand_dtype(form)) for x in operands]
+                outs = [dot_pass(*rounded, params["dimension_numbers"], form)]
+            else:
+                outs = eqn.primitive.bind(*operands, **params)
+                outs = outs if eqn.primitive.multiple_results else [outs]
+            env.update(zip(eqn.outvars, outs))
+        return [read(v) for v in closed.jaxpr.outvars]
+    return run
+
+
+def _compiled_candidate(traced, fusion_types, **forms):
+    """A candidate for :func:`host_speed.fastest`: ``traced()``'s program (``(ClosedJaxpr, args)``) with its products
+    in ``forms`` (see :func:`_with_forms`), compiled with ``fusion_types``."""
+    def build():
+        closed, args = traced()
+        flat = jax.tree.leaves(args)
+        options = dict(_EXACT_ROUNDING)
+        if fusion_types is not None:
+            options["xla_cpu_experimental_ynn_fusion_type"] = fusion_types
+        return jax.jit(_with_forms(closed, **forms)).lower(*flat).compile(options), flat
+    return build
+
+
+def _timed_conv_program(training, choice, fusion_types):
+    """A candidate for :func:`host_speed.fastest`: the timed block with its convolutions as ``choice`` (a form, or
+    :data:`DIRECT_WEIGHT_GRADIENTS`) runs them, compiled with ``fusion_types``."""
+    if choice == DIRECT_WEIGHT_GRADIENTS:
+        form = lambda layout: BF16_DIRECT if layout == "weight_grad" else ROUND_F32
+    else:
+        form = lambda layout: choice
+    return _compiled_candidate(lambda: _timed_conv_block(training), fusion_types, conv_form=form)
+
+
+def conv_kernels_here(inference=False):
+    """How this host runs the MXU's convolutions fastest, in training or in inference programs, as measured on it.
+
+    keras-tpu's own kernels (``bf16_direct``, :mod:`keras_tpu.mxu._direct_conv`)
+    or XLA's float32 convolutions of bf16-valued operands (``round_f32``); in
+    training, the kernels for the weight gradients only
+    (:data:`DIRECT_WEIGHT_GRADIENTS`) too, and in inference XLA's convolutions
+    under XLA's default options, which hand them to YNNPACK
+    (:data:`ROUND_F32_YNNPACK`). The kernels' speed against
+    XLA's depends on the CPU (see :mod:`keras_tpu.mxu._host_speed`), so each host
+    times :data:`TIMED_CONV_BLOCK` in each way once, keeps the answer on disk,
+    and XLA's way wins unless another is 5% faster. A host without the kernels
+    (:func:`keras_tpu.mxu._direct_conv.available`) measures only XLA's ways, and
+    one without bf16 instructions nothing (``round_f32``);
+    ``KERAS_TPU_DIRECT_CONV=1`` takes the kernels without measuring.
+
+    Example:
+        >>> conv_kernels_here() in ("bf16_direct", "round_f32", "bf16_direct_weight_gradients")
+        True
+    """
+    if host_class() != "bf16":
+        return ROUND_F32
+    if direct.available() and direct.always_on():
+        return BF16_DIRECT
+    training = not inference
+    options = _YNN_FUSION_TYPES["bf16"]["train" if training else "test"]
+    candidates = {ROUND_F32: _timed_conv_program(training, ROUND_F32, options)}
+    if direct.available():
+        candidates[BF16_DIRECT] = _timed_conv_program(training, BF16_DIRECT, options)
+        if training:
+            candidates[DIRECT_WEIGHT_GRADIENTS] = _timed_conv_program(training, DIRECT_WEIGHT_GRADIENTS, options)
+    if inference:
+        candidates[ROUND_F32_YNNPACK] = _timed_conv_program(False, ROUND_F32, None)
+    if len(candidates) == 1:
+        return ROUND_F32
+    x, w = TIMED_CONV_BLOCK
+    what = (f"the MXU's convolutions for {'inference' if inference else 'training'} (two {w[0]}x{w[1]}x{w[2]}->{w[3]} "
+            f"convolutions, ReLUs and max pooling of {x[0]}x{x[1]}x{x[2]}x{x[3]})")
+    return host_speed.fastest(f"conv_{'inference' if inference else 'training'}",
+                              f"{_TIMED_CONV_VERSION}/{'+'.join(sorted(candidates))}", candidates, ROUND_F32, what)
+
+
+#: The dense layer a host is timed on (:func:`native_bf16_dots_here`): the zoo MLP's 784 -> 1024 layer at
+#: a batch of 1024 rows, its forward product and both gradient products.
+TIMED_DENSE_LAYER = (1024, 784, 1024)
+_TIMED_DENSE_VERSION = "1"
+#: The native forms the built-in table gives a wide dense layer's products on a "bf16" host, per layout.
+_NATIVE_DENSE_FORMS = {"forward": BF16, "rhs_transposed": BF16, "lhs_transposed": BF16_SWAPPED}
+
+
+def _timed_dense_layer():
+    rows, inputs, outputs = TIMED_DENSE_LAYER
+    keys = jax.random.split(jax.random.key(1), 3)
+    bf16_valued = lambda key, shape: jax.random.normal(key, shape).astype(jnp.bfloat16).astype(jnp.float32)
+    x, w, g = bf16_valued(keys[0], (rows, inputs)), bf16_valued(keys[1], (inputs, outputs)), \
+        bf16_valued(keys[2], (rows, outputs))
+    layer = lambda x, w: x @ w
+    return jax.make_jaxpr(lambda x, w, g: (layer(x, w),) + jax.vjp(layer, x, w)[1](g))(x, w, g), (x, w, g)
+
+
+@functools.lru_cache(maxsize=None)
+def native_bf16_dots_here():
+    """Whether this host's native bf16 products (bf16 x bf16 -> f32 dots, ``bf16``/``bf16_swapped``) measured faster
+    than float32 products of bf16-valued operands (``round_f32``), on :data:`TIMED_DENSE_LAYER`'s training products.
+
+    The built-in table's native forms were measured on an AMD EPYC (Zen 4), where
+    they ran 1.4-3.9x faster; an Intel Xeon (Emerald Rapids) with the same AVX-512
+    BF16 flags ran the same products 0.57-0.91x as fast natively (GFLOP per
+    CPU-second, 1024^3, forward / weight gradient / input gradient: round_f32
+    164 / 125 / 142, best native 94 / 114 / 86). So each host times both once
+    (see :mod:`keras_tpu.mxu._host_speed`), and ``round_f32`` is kept unless the
+    native forms are 5% faster.
+
+    Example:
+        >>> native_bf16_dots_here() in (True, False)
+        True
+    """
+    if host_class() != "bf16":
+        return False
+    options = _YNN_FUSION_TYPES["bf16"]["train"]
+    candidates = {ROUND_F32: _compiled_candidate(_timed_dense_layer, options, dot_form=lambda layout: ROUND_F32),
+                  BF16: _compiled_candidate(_timed_dense_layer, options, dot_form=_NATIVE_DENSE_FORMS.get)}
+    rows, inputs, outputs = TIMED_DENSE_LAYER
+    what = f"the MXU's native bf16 products (a {rows} x {inputs} -> {outputs} dense layer's training products)"
+    return host_speed.fastest("bf16_dots", _TIMED_DENSE_VERSION, candidates, ROUND_F32, what) == BF16
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -598,8 +803,8 @@ def _measured_choice(kind, layout, gemm):
 
 #: Dots one of whose operands is a weight rounded once, per layout, on a ``"bf16"`` host (see :func:`choose_form`).
 ROUNDED_WEIGHT_RULES = {
-    ("dot", "forward"): ShapeRule(BF16, min_k=64, min_n=64),
-    ("dot", "rhs_transposed"): ShapeRule(BF16),
+    ("dot", "forward"): WhereNativeIsFaster(ShapeRule(BF16, min_k=64, min_n=64)),
+    ("dot", "rhs_transposed"): WhereNativeIsFaster(ShapeRule(BF16)),
 }
 
 
@@ -642,8 +847,11 @@ def builtin_choice(host, kind, layout, gemm):
     """The built-in table's form for one op on a host of class ``host`` (``round_f32`` if it has no entry).
 
     Example:
-        >>> builtin_choice("bf16", "dot", "forward", (1, 1024, 784, 1024))
-        'bf16'
+        >>> builtin_choice("bf16", "dot", "forward", (1, 1024, 784, 1024)) == (
+        ...     "bf16" if native_bf16_dots_here() else "round_f32")
+        True
+        >>> builtin_choice("bf16", "conv", "forward", (128, 65536, 9, 1))   # depthwise
+        'taps'
         >>> builtin_choice("no_bf16", "dot", "forward", (1, 1024, 784, 1024))
         'round_f32'
     """
