@@ -10,11 +10,6 @@ import sys
 # killed-save tests, which drop XLA_FLAGS, keep the default.
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=1".strip()
 
-# The tests take keras-tpu's default kernel choices instead of timing them on this host (keras_tpu.mxu._host_speed):
-# the same programs on every machine, and no timing beside the other test process, which would time them wrong.
-# tests/test_mxu_host_speed.py measures with it unset; the kernels' own tests force each form.
-os.environ["KERAS_TPU_HOST_SPEED"] = "defaults"
-
 import keras_tpu  # noqa: E402,F401  (must precede keras / jax use)
 import numpy as np
 import pytest
