@@ -175,11 +175,9 @@ import json
 import math
 import os
 
+import jax
 import jax.numpy as jnp
 from jax import lax
-
-import jax
-import numpy as np
 from jax.extend import core as jex_core
 
 from keras_tpu import _rewrite as rewrite
@@ -593,7 +591,8 @@ def _timed_conv_block(training):
     keys = jax.random.split(jax.random.key(0), 3)
     bf16_valued = lambda key, shape: jax.random.normal(key, shape).astype(jnp.bfloat16).astype(jnp.float32)
     x = bf16_valued(keys[0], x_shape)
-    params = (bf16_valued(keys[1], w_shape), jnp.zeros(w_shape[3]), bf16_valued(keys[2], w_shape), jnp.zeros(w_shape[3]))
+    params = (bf16_valued(keys[1], w_shape), jnp.zeros(w_shape[3]),
+              bf16_valued(keys[2], w_shape), jnp.zeros(w_shape[3]))
 
     def block(params, x):
         for w, b in zip(params[::2], params[1::2]):
@@ -609,8 +608,8 @@ def _timed_conv_block(training):
 
 def _with_forms(closed, conv_form=None, dot_form=None):
     """``closed`` (a ``ClosedJaxpr``) as a function whose convolutions (``conv_form(layout)``) and dots
-    (``dot_form(layout)``) are each one MXU pass in that form, as at the default precision (operands rounded to bfloat16, products summed
-    in float32); ``None`` leaves them as they are."""
+    (``dot_form(layout)``) are each one MXU pass in that form, as at the default precision (operands rounded to
+    bfloat16, products summed in float32); ``None`` leaves them as they are."""
     def run(*args):
         env = dict(zip(closed.jaxpr.constvars, closed.consts))
         env.update(zip(closed.jaxpr.invars, args))
