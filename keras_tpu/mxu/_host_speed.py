@@ -154,14 +154,14 @@ def others_busy(seconds=0.25):
         >>> others_busy(0.05) >= 0.0
         True
     """
-    before, own = _cpu_jiffies(), os.times()
+    before, own, started = _cpu_jiffies(), os.times(), time.perf_counter()
     time.sleep(seconds)
-    after, own_after = _cpu_jiffies(), os.times()
+    after, own_after, elapsed = _cpu_jiffies(), os.times(), time.perf_counter() - started
     if before is None or after is None or after[1] == before[1]:
         return 0.0
     cpus = os.cpu_count() or 1
     host = cpus * (after[0] - before[0]) / (after[1] - before[1])   # CPUs busy, over the interval
-    mine = (own_after.user + own_after.system - own.user - own.system) / seconds
+    mine = (own_after.user + own_after.system - own.user - own.system) / elapsed
     return max(0.0, host - mine)
 
 

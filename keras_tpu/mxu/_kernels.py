@@ -584,15 +584,19 @@ _CONV_GEOMETRY = ("window_strides", "padding", "lhs_dilation", "rhs_dilation", "
                   "feature_group_count", "batch_group_count")
 
 
+def _bf16_valued(key, shape):
+    """Random float32 values that bfloat16 holds exactly (the operands an MXU pass multiplies)."""
+    return jax.random.normal(key, shape).astype(jnp.bfloat16).astype(jnp.float32)
+
+
 def _timed_conv_block(training):
     """The timed block's program as JAX traces it, flat (every convolution at its top level), and its arguments
     (bf16-valued float32 arrays): the block's output, or in training the gradients of a loss of it."""
     x_shape, w_shape = TIMED_CONV_BLOCK
     keys = jax.random.split(jax.random.key(0), 3)
-    bf16_valued = lambda key, shape: jax.random.normal(key, shape).astype(jnp.bfloat16).astype(jnp.float32)
-    x = bf16_valued(keys[0], x_shape)
-    params = (bf16_valued(keys[1], w_shape), jnp.zeros(w_shape[3]),
-              bf16_valued(keys[2], w_shape), jnp.zeros(w_shape[3]))
+    x = _bf16_valued(keys[0], x_shape)
+    params = (_bf16_valued(keys[1], w_shape), jnp.zeros(w_shape[3]),
+              _bf16_valued(keys[2], w_shape), jnp.zeros(w_shape[3]))
 
     def block(params, x):
         for w, b in zip(params[::2], params[1::2]):
@@ -709,9 +713,7 @@ _NATIVE_DENSE_FORMS = {"forward": BF16, "rhs_transposed": BF16, "lhs_transposed"
 def _timed_dense_layer():
     rows, inputs, outputs = TIMED_DENSE_LAYER
     keys = jax.random.split(jax.random.key(1), 3)
-    bf16_valued = lambda key, shape: jax.random.normal(key, shape).astype(jnp.bfloat16).astype(jnp.float32)
-    x, w, g = bf16_valued(keys[0], (rows, inputs)), bf16_valued(keys[1], (inputs, outputs)), \
-        bf16_valued(keys[2], (rows, outputs))
+    x, w, g = (_bf16_valued(k, shape) for k, shape in zip(keys, ((rows, inputs), (inputs, outputs), (rows, outputs))))
     layer = lambda x, w: x @ w
     return jax.make_jaxpr(lambda x, w, g: (layer(x, w),) + jax.vjp(layer, x, w)[1](g))(x, w, g), (x, w, g)
 
