@@ -315,10 +315,10 @@ class Program:
         compile reuses), not a table that is only looked up. A new evaluate() resets the metrics but passes back
         the weights: they are rounded once per set of weights.
         """
-        self._reads_copies, read = self._reading(form).copies_to_make(
+        self._reads_copies, read, dtypes = self._reading(form).copies_to_make(
             *self.layout.device_shapes(args, (REPLICATED,) + self.ARGUMENT_SPECS[1:]),
             training=self.mode == "train", axis_env=self.layout.axis_env())
-        self._copies.for_weights(jax.tree.leaves(args[0][0]), read)
+        self._copies.for_weights(jax.tree.leaves(args[0][0]), read, dtypes)
 
     def _run(self, executable, args):
         """Call ``executable`` on ``args``: ``(logs or outputs, state)``, the next call's weight copies kept."""

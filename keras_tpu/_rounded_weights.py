@@ -21,7 +21,13 @@ numbers do not change: such a product rounds its operands to bfloat16 anyway.
 At small batches the rounding cost as much as the product: keras.io's MNIST
 MLP (784-512-512-10) at batch 32 ran a 32x784x512 product in 313 us with both
 operands rounded per call against 133 us on a bfloat16 copy, and plain
-float32 in 163 us (``lax.dot_general`` alone, this project's 2-core host).
+float32 in 163 us (``lax.dot_general`` alone, an AMD EPYC whose native bf16
+products are fast). A host whose products multiply float32 operands (the
+``round_f32`` form; an Intel Xeon measured so) would convert a bfloat16 copy
+back to float32 in every call: there a product of few rows reads a float32
+copy holding the bfloat16 values (:data:`FLOAT32_COPIES_BELOW_ROWS`), which
+the MXU product is told needs no rounding (the MLP's training step 1.67 ->
+1.39 ms, plain Keras 1.38; its evaluation 0.77 -> 0.59 ms).
 """
 
 import math
@@ -34,7 +40,9 @@ from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 
 from keras_tpu._cores import same_arrays
-from keras_tpu.mxu._numerics import Precision, canonical_precision, op_precision
+from keras_tpu.mxu import _kernels as kernels
+from keras_tpu.mxu._numerics import Precision, canonical_precision, op_precision, round_to_bfloat16
+from keras_tpu.mxu._primitives import dot_form, reading_bf16_valued
 
 #: A training program's products read bfloat16 copies of the weights, which each step returns of the weights it
 #: wrote, when its products reading weights have fewer rows than this; with more rows it rounds each weight in
@@ -42,6 +50,17 @@ from keras_tpu.mxu._numerics import Precision, canonical_precision, op_precision
 #: much. In-process A/B, copies against rounding in every product: keras.io's MLP at batch 32 (32 rows) 1.13-1.15x
 #: faster, the zoo's Transformer (16384 rows) 1.02x, the zoo's MLP at batch 1024 0.95-0.99x.
 TRAINING_COPIES_BELOW_ROWS = 256
+
+#: A weight's copy holds its bfloat16 values in a float32 array where every product reading it has fewer rows than
+#: this and runs in float32 on this host (the ``round_f32`` form, :func:`keras_tpu.mxu._primitives.dot_form`): a
+#: bfloat16 copy would be converted back to float32 in every call, a pass over the weight that costs as much as a
+#: product of few rows. Intel Xeon (Emerald Rapids), a 784-512-512 forward pass in float32 / bfloat16 copies
+#: converted per call / float32 copies: 32 rows 263 / 529 / 254 us, 128 rows 782 / 957 / 868 us.
+FLOAT32_COPIES_BELOW_ROWS = 256
+
+#: ... as long as the float32 copies of all the weights together take at most this many bytes (twice the bfloat16
+#: copies': a large model's inference at few rows keeps the smaller copies, as its memory counts more).
+FLOAT32_COPIES_MAX_BYTES = 256 << 20
 
 
 def roundable(leaves):
@@ -65,28 +84,40 @@ def _to_bfloat16(arrays):
     return [a.astype(jnp.bfloat16) for a in arrays]
 
 
-def round_weights(trainable, positions=None):
-    """bfloat16 copies of the arrays of ``trainable`` (a pytree) at ``positions`` (default: every
-    :func:`roundable` array), in that order.
+@jax.jit
+def _to_float32_copies(arrays):
+    return [round_to_bfloat16(a) for a in arrays]
+
+
+def round_weights(trainable, positions=None, dtypes=None):
+    """Copies of the arrays of ``trainable`` (a pytree) at ``positions`` (default: every :func:`roundable` array),
+    in that order, rounded to bfloat16 and held in ``dtypes`` (one per copy: bfloat16, the default, or float32).
 
     Example:
         >>> [a.dtype for a in round_weights([jnp.ones((3, 4)), jnp.ones(4)])]
         [dtype(bfloat16)]
         >>> round_weights([jnp.ones((3, 4)), jnp.ones((5, 2))], positions=[1])[0].shape
         (5, 2)
+        >>> copy, = round_weights([jnp.full((2, 2), 1 + 2**-9)], dtypes=[jnp.float32])
+        >>> copy.dtype, float(copy[0, 0])
+        (dtype('float32'), 1.0)
     """
     leaves = jax.tree.leaves(trainable)
     chosen = [leaves[i] for i in (roundable(leaves) if positions is None else positions)]
+    dtypes = [jnp.dtype(d) for d in dtypes] if dtypes is not None else [jnp.dtype(jnp.bfloat16)] * len(chosen)
     if sum(a.size for a in chosen) <= HOST_ROUNDING_MAX_ELEMENTS and all(
             getattr(a, "is_fully_addressable", True) for a in chosen):
         # NumPy's bfloat16 conversion rounds to nearest even, as XLA's does (and keeps NaN a NaN, silently).
         with np.errstate(invalid="ignore"):
-            host = [np.asarray(a).astype(jnp.bfloat16) for a in chosen]
+            host = [np.asarray(a).astype(jnp.bfloat16).astype(d) for a, d in zip(chosen, dtypes)]
         # Where the weights lie on a core layout, so do the copies; else JAX places them, uncommitted, as it would a
         # program's result, so that the program they go to decides its outputs' placement by its own shardings.
         return [jax.device_put(h, a.sharding if isinstance(getattr(a, "sharding", None), NamedSharding) else None)
                 for h, a in zip(host, chosen)]
-    return _to_bfloat16(chosen)
+    in_float32 = [d == jnp.float32 for d in dtypes]
+    made = iter(_to_float32_copies([a for a, f in zip(chosen, in_float32) if f]) if any(in_float32) else [])
+    made_bf16 = iter(_to_bfloat16([a for a, f in zip(chosen, in_float32) if not f]) if not all(in_float32) else [])
+    return [next(made) if f else next(made_bf16) for f in in_float32]
 
 
 def _signature(leaves):
@@ -125,7 +156,8 @@ class ReadingRoundedWeights:
     def __init__(self, fn, precision="default"):
         self.fn = fn
         self.default = canonical_precision(precision)
-        # argument signature -> (closed jaxpr, output structure, positions read, fewest rows of a product reading one)
+        # argument signature -> (closed jaxpr, output structure, positions read, fewest rows of a product reading one,
+        # the copies' dtypes)
         self._traces = {}
 
     def _trace(self, state, rest, axis_env=None):
@@ -136,14 +168,23 @@ class ReadingRoundedWeights:
             weights = closed.jaxpr.invars[:len(jax.tree.leaves(state[0]))]  # the program's first inputs
             candidates = set(weights[i] for i in roundable([v.aval for v in weights]))
             rows = {}  # weight -> the fewest rows of a product reading it
+            in_float32 = {}  # weight -> whether every product reading it multiplies float32 operands on this host
             for eqn in closed.jaxpr.eqns:
                 if _multiplies_a_copy(eqn, self.default):
                     for side, v in enumerate(eqn.invars[:2]):
                         if isinstance(v, jex_core.Var) and v in candidates:
                             rows[v] = min(rows.get(v, math.inf), _product_rows(eqn, 1 - side))
+                            form = dot_form(*(u.aval for u in eqn.invars[:2]), eqn.params["dimension_numbers"],
+                                            bf16_valued=tuple(i == side for i in range(2)))
+                            in_float32[v] = in_float32.get(v, True) and kernels.operand_dtype(form) == jnp.float32
             positions = [i for i, v in enumerate(weights) if v in rows]
             fewest = min(rows.values()) if rows else None
-            self._traces[key] = closed, jax.tree.structure(out_shape), positions, fewest
+            dtypes = [jnp.dtype(jnp.float32 if in_float32[weights[i]] and rows[weights[i]] < FLOAT32_COPIES_BELOW_ROWS
+                                else jnp.bfloat16) for i in positions]
+            if sum(4 * weights[i].aval.size for i, d in zip(positions, dtypes) if d == jnp.float32) > \
+                    FLOAT32_COPIES_MAX_BYTES:
+                dtypes = [jnp.dtype(jnp.bfloat16)] * len(positions)
+            self._traces[key] = closed, jax.tree.structure(out_shape), positions, fewest, dtypes
         return self._traces[key]
 
     def read_weights(self, state, *rest, axis_env=None):
@@ -156,21 +197,25 @@ class ReadingRoundedWeights:
         return self._trace(state, rest, axis_env)[2]
 
     def copies_to_make(self, state, *rest, training=False, axis_env=None):
-        """``(reads copies, positions)``: whether the program should read copies, and of which weights.
+        """``(reads copies, positions, dtypes)``: whether the program should read copies, of which weights, and
+        what each copy holds its bfloat16 values in.
 
-        Inference always does; a training step only while its products that
-        read a weight have fewer than :data:`TRAINING_COPIES_BELOW_ROWS` rows
-        (the other operand's free size; else ``(False, [])``): rounding a weight
-        costs a pass over it, its products that pass times their rows.
+        Inference always reads copies; a training step only while its products
+        that read a weight have fewer than :data:`TRAINING_COPIES_BELOW_ROWS`
+        rows (the other operand's free size; else ``(False, [], [])``): rounding
+        a weight costs a pass over it, its products that pass times their rows.
+        A copy is a bfloat16 array, or a float32 one where each product reading
+        it has fewer than :data:`FLOAT32_COPIES_BELOW_ROWS` rows and multiplies
+        float32 operands on this host (within :data:`FLOAT32_COPIES_MAX_BYTES`).
         """
-        _, _, positions, rows = self._trace(state, rest, axis_env)
+        _, _, positions, rows, dtypes = self._trace(state, rest, axis_env)
         if training and (rows is None or rows >= TRAINING_COPIES_BELOW_ROWS):
-            return False, []
-        return True, positions
+            return False, [], []
+        return True, positions, dtypes
 
     def without_copies(self, state, *rest):
         """``fn(state, *rest)`` itself, from the same trace: its products read the float32 weights."""
-        closed, out_structure, _, _ = self._trace(state, rest)
+        closed, out_structure = self._trace(state, rest)[:2]
         return jax.tree.unflatten(out_structure, jax.core.eval_jaxpr(closed.jaxpr, closed.consts,
                                                                      *jax.tree.leaves((state, *rest))))
 
@@ -186,18 +231,20 @@ class ReadingRoundedWeights:
         def training_step(state, rounded, *rest):
             outputs = self(state, rounded, *rest)
             weights = jax.tree.leaves(outputs[1][0])
-            return (*outputs, [weights[i].astype(jnp.bfloat16) for i in self.read_weights(state, *rest)])
+            return (*outputs, [weights[i].astype(jnp.bfloat16).astype(copy.dtype)
+                               for i, copy in zip(self.read_weights(state, *rest), rounded)])
 
         return training_step
 
     def __call__(self, state, rounded, *rest):
-        closed, out_structure, positions, _ = self._trace(state, rest)
+        closed, out_structure, positions = self._trace(state, rest)[:3]
         if len(rounded) != len(positions):
             raise ValueError(f"The program reads bfloat16 copies of {len(positions)} weights (positions {positions} "
                              f"of state[0]); got {len(rounded)}: pass round_weights(state[0], read_weights(...)).")
         jaxpr = closed.jaxpr
         weights = jaxpr.invars[:len(jax.tree.leaves(state[0]))]
-        copies = [jex_core.Var(jax.core.ShapedArray(weights[i].aval.shape, jnp.bfloat16)) for i in positions]
+        copies = [jex_core.Var(jax.core.ShapedArray(weights[i].aval.shape, copy.dtype))
+                  for i, copy in zip(positions, rounded)]
         copy_of = {weights[i]: copy for i, copy in zip(positions, copies)}
         eqns = [_reading_copies(eqn, copy_of, self.default) for eqn in jaxpr.eqns]
         rewritten = jaxpr.replace(invars=jaxpr.invars + copies, eqns=eqns)
@@ -225,11 +272,12 @@ class WeightCopies:
         self._of = []
         self._read = None
 
-    def for_weights(self, weights, read):
-        """The copies at positions ``read`` of ``weights`` (a list of arrays): those at hand if they are of these
-        very arrays, else new ones."""
-        if read != self._read or not same_arrays(weights, self._of):
-            self.copies, self._read = round_weights(weights, read), list(read)
+    def for_weights(self, weights, read, dtypes=None):
+        """The copies at positions ``read`` of ``weights`` (a list of arrays), in ``dtypes`` (default bfloat16, see
+        :func:`round_weights`): those at hand if they are of these very arrays, else new ones."""
+        dtypes = [jnp.dtype(d) for d in dtypes] if dtypes is not None else [jnp.dtype(jnp.bfloat16)] * len(read)
+        if (read, dtypes) != self._read or not same_arrays(weights, self._of):
+            self.copies, self._read = round_weights(weights, read, dtypes), (list(read), dtypes)
             self._of = list(weights)
         return self.copies
 
@@ -270,11 +318,15 @@ def _multiplies_a_copy(eqn, default):
 
 
 def _reading_copies(eqn, copy_of, default):
-    """``eqn`` with its weight operands replaced by their bfloat16 copies, where it is a default-precision product."""
+    """``eqn`` with its weight operands replaced by their copies, where it is a default-precision product (an MXU
+    product told which float32 operands hold bfloat16 values, where a copy is float32)."""
     if not any(v in copy_of for v in eqn.invars[:2] if isinstance(v, jex_core.Var)):
         return eqn
     if not _multiplies_a_copy(eqn, default):
         return eqn
     invars = [copy_of.get(v, v) if isinstance(v, jex_core.Var) else v for v in eqn.invars]
+    float32_copies = [i for i, v in enumerate(eqn.invars[:2]) if isinstance(v, jex_core.Var) and v in copy_of
+                      and copy_of[v].aval.dtype == jnp.float32]
     # Mixed operand types need the result type spelled out (float32, as before).
-    return eqn.replace(invars=invars, params=dict(eqn.params, preferred_element_type=eqn.outvars[0].aval.dtype))
+    replaced = eqn.replace(invars=invars, params=dict(eqn.params, preferred_element_type=eqn.outvars[0].aval.dtype))
+    return reading_bf16_valued(replaced, float32_copies) if float32_copies else replaced

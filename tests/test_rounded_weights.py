@@ -63,9 +63,9 @@ def _count_roundings(monkeypatch):
     calls = []
     original = _rounded_weights.round_weights
 
-    def counting(trainable, positions=None):
+    def counting(trainable, positions=None, dtypes=None):
         calls.append(len(jax.tree.leaves(trainable)))
-        return original(trainable, positions)
+        return original(trainable, positions, dtypes)
 
     monkeypatch.setattr(_rounded_weights, "round_weights", counting)
     return calls
@@ -188,9 +188,58 @@ def test_evaluating_an_embedding_model_copies_its_dense_kernels_not_its_table(mo
     np.testing.assert_allclose(loss, model.evaluate(x, y, batch_size=32, verbose=0), rtol=1e-2)
 
 
-def test_training_on_copies_returned_by_each_step_matches_rounding_in_every_product(monkeypatch):
+def _dense(state, x):
+    return jnp.tanh(x @ state[0][0])
+
+
+@pytest.mark.parametrize("rows, native, max_bytes, expected", [
+    (6, False, None, jnp.float32),          # few rows, float32 products: a float32 copy, never converted per call
+    (300, False, None, jnp.bfloat16),       # many rows: the conversion is a small part, the smaller copy wins
+    (6, True, None, jnp.bfloat16),          # native bf16 products take the bfloat16 copy as it is
+    (6, False, 0, jnp.bfloat16),            # float32 copies past FLOAT32_COPIES_MAX_BYTES: the smaller ones
+])
+def test_a_copy_is_held_in_the_dtype_its_products_take(monkeypatch, rows, native, max_bytes, expected):
+    from keras_tpu.mxu import _kernels as kernels
+
+    if native:
+        monkeypatch.setattr(kernels, "host_class", lambda: "bf16")
+        monkeypatch.setattr(kernels, "native_bf16_dots_here", lambda: True)
+    if max_bytes is not None:
+        monkeypatch.setattr(_rounded_weights, "FLOAT32_COPIES_MAX_BYTES", max_bytes)
+    w = jax.ShapeDtypeStruct((784, 512), jnp.float32)
+    reading = _rounded_weights.reading_rounded_weights(_dense)
+    assert reading.copies_to_make(([w],), jax.ShapeDtypeStruct((rows, 784), jnp.float32)) == (True, [0], [expected])
+
+
+def test_a_float32_copy_is_multiplied_as_it_is_and_gives_the_float32_programs_numbers():
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((5, 4)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((6, 5)), jnp.float32)
+    reading = _rounded_weights.reading_rounded_weights(_dense)
+    _, positions, dtypes = reading.copies_to_make(([w],), x)
+    assert dtypes == [jnp.float32]
+    rounded = _rounded_weights.round_weights([w], positions, dtypes)
+    assert rounded[0].dtype == jnp.float32
+    np.testing.assert_array_equal(rounded[0], round_to_bfloat16(w))
+    program = jax.jit(mxu.route(reading))
+    np.testing.assert_allclose(program(([w],), rounded, x), jax.jit(mxu.route(_dense))(([w],), x), rtol=1e-6)
+    # The product takes the copy's values as they are: handed the unrounded weight in its place, it multiplies
+    # that (so no pass rounds the copy again per call), and rounds the other operand as ever.
+    np.testing.assert_allclose(program(([w],), [w], x),
+                               jnp.tanh(jnp.dot(round_to_bfloat16(x), w, precision="highest")), rtol=1e-6)
+    assert not np.allclose(program(([w],), [w], x), program(([w],), rounded, x), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("float32_copies", [True, False])
+def test_training_on_copies_returned_by_each_step_matches_rounding_in_every_product(monkeypatch, float32_copies):
     """Each training step reads the copies the step before returned: the weights after several fits, with new
-    weights set in between (stale copies would show), are those of rounding the weights in every product."""
+    weights set in between (stale copies would show), are those of rounding the weights in every product; with
+    the copies in float32 (this host's float32 products, few rows) or in bfloat16."""
+    if not float32_copies:
+        monkeypatch.setattr(_rounded_weights, "FLOAT32_COPIES_BELOW_ROWS", 0)
+    made = []
+    original = _rounded_weights.round_weights
+    monkeypatch.setattr(_rounded_weights, "round_weights", lambda *args: made.append(original(*args)) or made[-1])
     x, y = classification_data(200)
 
     def train():
@@ -203,6 +252,8 @@ def test_training_on_copies_returned_by_each_step_matches_rounding_in_every_prod
         return tpu.get_weights()
 
     with_copies = train()
+    assert made and {a.dtype for copies in made for a in copies} == {
+        jnp.dtype(jnp.float32 if float32_copies else jnp.bfloat16)}
 
     monkeypatch.setattr(_rounded_weights, "reading_rounded_weights", WithoutWeightCopies)
     without = train()

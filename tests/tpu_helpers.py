@@ -67,7 +67,7 @@ class WithoutWeightCopies(_rounded_weights.ReadingRoundedWeights):
     float32 weight it reads (as before copies existed)."""
 
     def copies_to_make(self, state, *rest, training=False, axis_env=None):
-        return False, []
+        return False, [], []
 
     def without_copies(self, state, *rest):
         return self.fn(state, *rest)
@@ -78,8 +78,8 @@ def record_weight_copies(monkeypatch):
     copied = []
     original = _rounded_weights.round_weights
 
-    def recording(trainable, positions=None):
-        copies = original(trainable, positions)
+    def recording(trainable, positions=None, dtypes=None):
+        copies = original(trainable, positions, dtypes)
         copied.append([a.shape for a in copies])
         return copies
 

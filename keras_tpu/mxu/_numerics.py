@@ -145,16 +145,17 @@ def round_to_bfloat16(x):
     return x.astype(jnp.bfloat16).astype(jnp.float32)
 
 
-def split_bfloat16(x, parts, dtype=jnp.float32):
+def split_bfloat16(x, parts, dtype=jnp.float32, bf16_valued=False):
     """Split ``x`` into ``parts`` bfloat16-valued arrays whose sum approximates ``x``.
 
     The first part is ``x`` rounded to bfloat16, each next part the rounded
     remainder, so three parts carry all 24 bits of a float32 significand.
     The parts are returned as ``dtype`` (float32 or bfloat16; either holds
-    them exactly).
+    them exactly). ``bf16_valued``: ``x`` is float32 but holds bfloat16 values
+    already (a weight rounded once), which are its first part as they are.
     """
-    if x.dtype == jnp.bfloat16:
-        # Already bf16: one part is exact, the others are zero.
+    if x.dtype == jnp.bfloat16 or bf16_valued:
+        # Already bf16 values: one part is exact, the others are zero.
         return [x.astype(dtype)] + [jnp.zeros_like(x, dtype) for _ in range(parts - 1)]
     x = x.astype(jnp.float32)
     pieces = []
@@ -177,20 +178,26 @@ PASS_PRODUCTS = {
 PASS_PARTS = {Precision.DEFAULT: 1, Precision.HIGH: 2, Precision.HIGHEST: 3}
 
 
-def multipass(bilinear, lhs, rhs, precision, operand_dtype=jnp.float32):
+def multipass(bilinear, lhs, rhs, precision, operand_dtype=jnp.float32, bf16_valued=(False, False)):
     """Evaluate ``bilinear(lhs, rhs)`` as the MXU does at ``precision``.
 
     ``bilinear`` must be a bilinear op (a dot or a convolution) computing
     exact products and float32 sums of its bfloat16-valued operands, given
     as ``operand_dtype`` (float32 or bfloat16); the passes are summed in
-    float32.
+    float32. ``bf16_valued``: per operand, whether a float32 operand holds
+    bfloat16 values already (see :func:`split_bfloat16`).
+
+    Example:
+        >>> a, b = jnp.full((1, 2), 1 + 2**-9), jnp.ones((2, 1))   # 1 + 2**-9 rounds to 1.0 in bfloat16
+        >>> float(multipass(jnp.matmul, a, b, "default")[0, 0]), float(multipass(jnp.matmul, a, b, "highest")[0, 0])
+        (2.0, 2.00390625)
     """
     precision = canonical_precision(precision)
-    lhs_parts = split_bfloat16(lhs, PASS_PARTS[precision], operand_dtype)
-    rhs_parts = split_bfloat16(rhs, PASS_PARTS[precision], operand_dtype)
+    lhs_parts = split_bfloat16(lhs, PASS_PARTS[precision], operand_dtype, bf16_valued[0])
+    rhs_parts = split_bfloat16(rhs, PASS_PARTS[precision], operand_dtype, bf16_valued[1])
     # A bfloat16 operand has no lo/mid parts: skip the passes that would multiply zeros.
-    used_l = 1 if lhs.dtype == jnp.bfloat16 else len(lhs_parts)
-    used_r = 1 if rhs.dtype == jnp.bfloat16 else len(rhs_parts)
+    used_l = 1 if lhs.dtype == jnp.bfloat16 or bf16_valued[0] else len(lhs_parts)
+    used_r = 1 if rhs.dtype == jnp.bfloat16 or bf16_valued[1] else len(rhs_parts)
     total = None
     for i, j in PASS_PRODUCTS[precision]:
         if i >= used_l or j >= used_r:

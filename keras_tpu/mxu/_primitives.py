@@ -46,17 +46,31 @@ def _static(*shapes):
     return all(isinstance(d, int) for shape in shapes for d in shape)
 
 
-def _dot_pass(lhs, rhs, out_shape, dimension_numbers):
-    """The chosen form of one bf16 pass of this dot: ``(form, pass function)``."""
+def dot_form(lhs, rhs, dimension_numbers, bf16_valued=(False, False)):
+    """The form (:mod:`keras_tpu.mxu._kernels`) one bf16 pass of a dot of ``lhs`` and ``rhs`` (arrays or avals)
+    runs in; ``bf16_valued``: per operand, whether a float32 operand holds bfloat16 values already.
+
+    Example:
+        >>> dot_form(jnp.ones((8, 4)), jnp.ones((4, 3)), (((1,), (0,)), ((), ()))) in kernels.DOT_FORMS
+        True
+    """
+    if not _static(lhs.shape, rhs.shape):
+        return kernels.ROUND_F32
     layout = kernels.dot_layout(lhs.ndim, rhs.ndim, dimension_numbers)
-    bf16_operand = (lhs.dtype == jnp.bfloat16) != (rhs.dtype == jnp.bfloat16)  # a weight rounded once
-    form = kernels.choose_form("dot", layout, kernels.dot_gemm(lhs.shape, rhs.shape, dimension_numbers),
-                               bf16_operand) if _static(lhs.shape, rhs.shape) else kernels.ROUND_F32
+    bf16 = [a.dtype == jnp.bfloat16 or valued for a, valued in zip((lhs, rhs), bf16_valued)]
+    bf16_operand = bf16[0] != bf16[1]  # a weight rounded once
+    return kernels.choose_form("dot", layout, kernels.dot_gemm(lhs.shape, rhs.shape, dimension_numbers),
+                               bf16_operand)
+
+
+def _dot_pass(lhs, rhs, out_shape, dimension_numbers, bf16_valued=(False, False)):
+    """The chosen form of one bf16 pass of this dot: ``(form, pass function)``."""
+    form = dot_form(lhs, rhs, dimension_numbers, bf16_valued)
     return form, lambda a, b: kernels.dot_pass(a, b, dimension_numbers, form)
 
 
 def _conv_pass(lhs, rhs, out_shape, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
-               feature_group_count, batch_group_count):
+               feature_group_count, batch_group_count, bf16_valued=(False, False)):
     """The chosen form of one bf16 pass of this convolution: ``(form, pass function)``."""
     geometry = dict(window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation,
                     rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
@@ -97,8 +111,11 @@ class _MXUPrimitive:
 
     @staticmethod
     def split_params(params):
+        """``(MXU precision, the plain lax op's params)``: without the hint ``bf16_valued`` (see
+        :func:`reading_bf16_valued`), which transposed or batched products do not keep (they round again)."""
         params = dict(params)
         precision = params.pop("mxu_precision")
+        params.pop("bf16_valued", None)
         return precision, params
 
     def _abstract_eval(self, lhs, rhs, **params):
@@ -112,8 +129,9 @@ class _MXUPrimitive:
         out = self._abstract_eval(jax.typeof(lhs), jax.typeof(rhs), **params)
         if not lhs.size or not rhs.size:  # a replica with no rows (a partial batch): nothing to multiply or sum
             return jnp.zeros(out.shape, out.dtype)
-        form, one_pass = self.pass_fn(lhs, rhs, out.shape, **geometry)
-        result = multipass(one_pass, lhs, rhs, precision, kernels.operand_dtype(form))
+        bf16_valued = params.get("bf16_valued", (False, False))
+        form, one_pass = self.pass_fn(lhs, rhs, out.shape, bf16_valued=bf16_valued, **geometry)
+        result = multipass(one_pass, lhs, rhs, precision, kernels.operand_dtype(form), bf16_valued)
         return result.astype(out.dtype)
 
     def _eager(self, lhs, rhs, **params):
@@ -211,6 +229,24 @@ def mxu_rule(precision="default"):
         return eqn.replace(primitive=target, params=params)
 
     return rule
+
+
+def reading_bf16_valued(eqn, operands):
+    """``eqn``, a float32 ``dot_general`` at the MXU's default precision, as an MXU product whose operands at
+    positions ``operands`` hold bfloat16 values in float32 arrays (weights rounded once, see
+    :mod:`keras_tpu._rounded_weights`): its pass multiplies them as they are instead of rounding them again.
+
+    Example:
+        >>> eqn = jax.make_jaxpr(lambda a, b: a @ b)(jnp.ones((2, 3)), jnp.ones((3, 4))).eqns[0]
+        >>> reading_bf16_valued(eqn, [1]).params["bf16_valued"]
+        (False, True)
+    """
+    routed = mxu_rule("default")(eqn)
+    if routed is None or routed.primitive is not mxu_dot_general_p or routed.params["mxu_precision"] is not \
+            Precision.DEFAULT:
+        raise ValueError(f"Only a float dot_general at the default precision reads bfloat16-valued operands; got "
+                         f"{eqn.primitive} with {eqn.params.get('precision')}.")
+    return routed.replace(params=dict(routed.params, bf16_valued=tuple(i in operands for i in range(2))))
 
 
 def route(fun, precision="default"):
