@@ -84,10 +84,12 @@ class ProgramForm(NamedTuple):
 
     ``real_rows``: a prediction whose batches have fewer rows than the cores
     (a text generator's one row at a time) runs, where its cores are merged,
-    the model on those rows only (``0``: on every row). The padding rows are
-    copies of the batch's first row, so the first row's outputs are theirs:
-    the results are the same, the work is the real rows'. The simulated TPU
-    still runs every core's row (its step time counts them).
+    the model on those rows only (``0``: on every row) and returns their
+    outputs alone, which Keras takes as they are (a device array, converted
+    when Keras' own work after the call is done). The results are the same
+    (the padding rows' outputs are dropped anyway), the work is the real
+    rows'. The simulated TPU still runs every core's row (its step time
+    counts them).
 
     Example:
         >>> ProgramForm(MERGED, padding_rows=False).describe()

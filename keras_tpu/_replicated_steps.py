@@ -595,12 +595,10 @@ class ReplicatedSteps:
             if self._cores_merged("predict", trainable, non_trainable, x):
                 if not real_rows:
                     return core_predict(x)
-                # Only the real rows: a padding row is a copy of the first row, and so are its outputs (see
-                # keras_tpu._programs.ProgramForm.real_rows).
-                rows = jax.tree.leaves(x)[0].shape[0]
-                outputs = core_predict(jax.tree.map(lambda a: a[:real_rows], x))
-                return jax.tree.map(lambda o: jnp.concatenate(
-                    [o, jnp.broadcast_to(o[:1], (rows - real_rows,) + o.shape[1:])]), outputs)
+                # Only the real rows, and only their outputs come back (see
+                # keras_tpu._programs.ProgramForm.real_rows): no padding row for the host to cut off, which would
+                # wait for the program before Keras' own work after the call could run beside it.
+                return core_predict(jax.tree.map(lambda a: a[:real_rows], x))
             looped = self._cores_looped(trainable, non_trainable, x)
             return layout.merge_cores(layout.map_cores(core_predict, in_axes=0, looped=looped)(layout.split_cores(x)))
 
