@@ -696,7 +696,8 @@ def conv_kernels_here(inference=False):
     under XLA's default options, which hand them to YNNPACK
     (:data:`ROUND_F32_YNNPACK`). The kernels' speed against
     XLA's depends on the CPU (see :mod:`keras_tpu.mxu._host_speed`), so each host
-    times :data:`TIMED_CONV_BLOCK` in each way once, keeps the answer on disk,
+    times :data:`TIMED_CONV_BLOCK` (at inference with keras.io's MNIST convnet beside
+    it, :data:`TIMED_INFERENCE_IMAGES`) in each way once, keeps the answer on disk,
     and XLA's way wins unless another is 5% faster. A host without the kernels
     (:func:`keras_tpu.mxu._direct_conv.available`) measures only XLA's ways, and
     one without bf16 instructions nothing (``round_f32``);
