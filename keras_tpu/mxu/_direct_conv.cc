@@ -5,13 +5,16 @@
 // convolution on it (its bf16 convolutions are converted to float32), so these kernels compute the
 // convolutions directly, without im2col patches:
 //
-// * MxuConvForward: out[n, y, x, o] = sum_{i, j, c} in[n, y*sh + i*dh, x*sw + j*dw, c] w[i, j, c, o] over an
-//   input already padded (a "valid" convolution). The input gradient of a stride-1 convolution is one too.
-// * MxuConvWeightGrad: dw[i, j, c, o] = sum_{n, y, x} in[n, y*sh + i*dh, x*sw + j*dw, c] g[n, y, x, o].
+// * MxuConvForward: out[n, y, x, o] = sum_{i, j, c} in[n, y*sh + i*dh - pt, x*sw + j*dw - pl, c] w[i, j, c, o],
+//   zeros outside the input. The input gradient of a stride-1 convolution is one too (its window given as
+//   [KH][KW][O][C], io_swapped).
+// * MxuConvWeightGrad: dw[i, j, c, o] = sum_{n, y, x} in[n, y*sh + i*dh - pt, x*sw + j*dw - pl, c] g[n, y, x, o].
 //
 // The instruction sums products in pairs along the contraction, so its operands are interleaved in pairs:
-// the forward kernel's weights as [KH][KW][C/2][O][2] (prepared by the caller, small), the weight gradient's
-// input and output gradient along output columns (x, x+1), built here chunk by chunk so they stay in cache.
+// the forward kernel's weights as [KH][KW][C/2][O][2], packed once per call (small), the weight gradient's
+// input and output gradient along output columns (x, x+1), built chunk by chunk so they stay in cache. Both
+// take their operands as XLA holds them (NHWC, HWIO): padding, odd feature counts and output features that
+// are not a multiple of 16 are handled here, so XLA writes no rearranged copy of any operand.
 // Only the order of the float32 additions differs from any other summation order of the MXU's products;
 // like the MXU, the instruction flushes denormal bf16 inputs and results to zero.
 //
@@ -81,6 +84,34 @@ inline __m512bh BroadcastPair(const uint16_t* p) {
   return (__m512bh)_mm512_set1_epi32(v);
 }
 
+// Zero padding is the kernels' own (attributes pt, pl: the rows and columns of zeros before the input; fewer
+// than zero crop it), applied as each work item copies the input rows it reads into a buffer of its own: XLA
+// would otherwise write a padded copy of every activation, and compile a loop for each (ResNet-20's training
+// program spent about a third of its generated code on them).
+
+// Row `r` of the padded input (`cols` columns from column 0 of the padding, `cp` >= c features each, the extra
+// ones zero) into `dst`; rows and columns outside the input are zeros.
+void PaddedRow(const uint16_t* x, int64_t h, int64_t w, int64_t c, int64_t pt, int64_t pl, int64_t r,
+               int64_t cols, int64_t cp, uint16_t* dst) {
+  const int64_t real = r - pt;
+  const int64_t first = std::max<int64_t>(0, pl), last = std::min<int64_t>(cols, w + pl);  // columns read from x
+  if (real < 0 || real >= h || first >= last) {
+    std::memset(dst, 0, cols * cp * sizeof(uint16_t));
+    return;
+  }
+  const uint16_t* src = x + real * w * c;
+  std::memset(dst, 0, first * cp * sizeof(uint16_t));
+  if (cp == c) {
+    std::memcpy(dst + first * cp, src + (first - pl) * c, (last - first) * c * sizeof(uint16_t));
+  } else {
+    for (int64_t q = first; q < last; ++q) {
+      std::memcpy(dst + q * cp, src + (q - pl) * c, c * sizeof(uint16_t));
+      std::memset(dst + q * cp + c, 0, (cp - c) * sizeof(uint16_t));
+    }
+  }
+  std::memset(dst + last * cp, 0, (cols - last) * cp * sizeof(uint16_t));
+}
+
 // ------------------------------------------------------------------------------------------------ forward
 
 // PB output columns times CBV*16 output features, summed over the window and the input features.
@@ -111,10 +142,10 @@ void ForwardTile(const uint16_t* in, int64_t in_row, int64_t in_col_step, int64_
 using ForwardTileFn = void (*)(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
                                int64_t, int64_t, float*);
 
-// One output row: PB columns at a time (fewer at the row's end), CBV*16 features at a time.
-// (dh, dw: the window's dilation, in input rows and columns.)
+// One output row: PB columns at a time (fewer at the row's end), CBV*16 features at a time. `in` holds the row's
+// kh input rows one after another (in_row elements each); dw: the window's dilation in input columns.
 template <int CBV, int PB>
-void ForwardRow(const uint16_t* in, int64_t in_row, int64_t sw, int64_t cp, int64_t dh, int64_t dw,
+void ForwardRow(const uint16_t* in, int64_t in_row, int64_t sw, int64_t cp, int64_t dw,
                 const uint16_t* w, int64_t kh, int64_t kw, int64_t co, float* out, int64_t ow) {
   static const ForwardTileFn tails[8] = {nullptr,
                                          ForwardTile<1, CBV>, ForwardTile<2, CBV>, ForwardTile<3, CBV>,
@@ -124,38 +155,59 @@ void ForwardRow(const uint16_t* in, int64_t in_row, int64_t sw, int64_t cp, int6
   for (int64_t o = 0; o < co; o += CBV * 16) {
     int64_t x = 0;
     for (; x + PB <= ow; x += PB)
-      ForwardTile<PB, CBV>(in + x * step, in_row * dh, step, cp * dw, w + o * 2, kh, kw, cp / 2, co,
-                           out + x * co + o);
+      ForwardTile<PB, CBV>(in + x * step, in_row, step, cp * dw, w + o * 2, kh, kw, cp / 2, co, out + x * co + o);
     while (x < ow) {
       int64_t pb = std::min<int64_t>(7, ow - x);
-      tails[pb](in + x * step, in_row * dh, step, cp * dw, w + o * 2, kh, kw, cp / 2, co, out + x * co + o);
+      tails[pb](in + x * step, in_row, step, cp * dw, w + o * 2, kh, kw, cp / 2, co, out + x * co + o);
       x += pb;
     }
   }
 }
 
-// in: [N, Hp, Wp, C] bf16 (C even), w: [KH, KW, C/2, O, 2] bf16 (O % 16 == 0), out: [N, OH, OW, O] f32.
+// in: [N, H, W, C] bf16; w: [KH, KW, C, O] bf16, or [KH, KW, O, C] with io_swapped; out: [N, OH, OW, O] f32.
+// The input is read as if padded by pt rows and pl columns of zeros before it (and zeros after it).
 ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> in, ffi::Buffer<ffi::BF16> w,
-                       ffi::ResultBuffer<ffi::F32> out, int64_t sh, int64_t sw, int64_t dh, int64_t dw) {
+                       ffi::ResultBuffer<ffi::F32> out, int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt,
+                       int64_t pl, int64_t io_swapped) {
   auto xd = in.dimensions(), wd = w.dimensions(), od = out->dimensions();
-  if (xd.size() != 4 || wd.size() != 5 || od.size() != 4)
-    return ffi::Error::InvalidArgument("MxuConvForward: operands of rank 4, 5 and 4 expected");
-  const int64_t n = xd[0], hp = xd[1], wp = xd[2], c = xd[3];
-  const int64_t kh = wd[0], kw = wd[1], co = wd[3], oh = od[1], ow = od[2];
-  if (c != 2 * wd[2] || wd[4] != 2 || co % 16 != 0 || od[0] != n || od[3] != co || sh < 1 || sw < 1 || dh < 1 ||
-      dw < 1 || (oh - 1) * sh + (kh - 1) * dh + 1 > hp || (ow - 1) * sw + (kw - 1) * dw + 1 > wp)
+  if (xd.size() != 4 || wd.size() != 4 || od.size() != 4)
+    return ffi::Error::InvalidArgument("MxuConvForward: operands of rank 4 expected");
+  const int64_t n = xd[0], h = xd[1], wi = xd[2], c = xd[3];
+  const int64_t kh = wd[0], kw = wd[1], co = io_swapped ? wd[2] : wd[3], oh = od[1], ow = od[2];
+  if ((io_swapped ? wd[3] : wd[2]) != c || od[0] != n || od[3] != co || sh < 1 || sw < 1 || dh < 1 || dw < 1)
     return ffi::Error::InvalidArgument("MxuConvForward: shapes do not match");
+  float* y = out->typed_data();
+  if (n * oh * ow * co == 0) return ffi::Error::Success();
   const uint16_t* x = reinterpret_cast<const uint16_t*>(in.untyped_data());
   const uint16_t* wt = reinterpret_cast<const uint16_t*>(w.untyped_data());
-  float* y = out->typed_data();
-  const int64_t in_row = wp * c;
+  // The weights as the tiles read them: [KH][KW][CP/2][OP][2], input features in pairs (CP = C rounded up to
+  // even), output features rounded up to 16, the extra ones zero. Small: packed once per call.
+  const int64_t cp = c + (c & 1), op = (co + 15) / 16 * 16;
+  std::vector<uint16_t> packed(kh * kw * cp * op, 0);
+  for (int64_t t = 0; t < kh * kw; ++t)
+    for (int64_t ci = 0; ci < c; ++ci)
+      for (int64_t o = 0; o < co; ++o)
+        packed[((t * (cp / 2) + ci / 2) * op + o) * 2 + (ci & 1)] =
+            io_swapped ? wt[(t * co + o) * c + ci] : wt[(t * c + ci) * co + o];
+  const int64_t cols = (ow - 1) * sw + (kw - 1) * dw + 1;  // the padded input columns a row of outputs reads
   ParallelFor(pool, n * oh, PoolThreads(pool), [&](int64_t r, int64_t) {
+    thread_local std::vector<uint16_t> rows;
+    thread_local std::vector<float> padded_out;
     const int64_t b = r / oh, row = r % oh;
-    const uint16_t* xr = x + (b * hp + row * sh) * in_row;
+    rows.resize(kh * cols * cp);
+    for (int64_t i = 0; i < kh; ++i)
+      PaddedRow(x + b * h * wi * c, h, wi, c, pt, pl, row * sh + i * dh, cols, cp, rows.data() + i * cols * cp);
     float* yr = y + r * ow * co;
-    if (co % 64 == 0) ForwardRow<4, 6>(xr, in_row, sw, c, dh, dw, wt, kh, kw, co, yr, ow);
-    else if (co % 32 == 0) ForwardRow<2, 12>(xr, in_row, sw, c, dh, dw, wt, kh, kw, co, yr, ow);
-    else ForwardRow<1, 24>(xr, in_row, sw, c, dh, dw, wt, kh, kw, co, yr, ow);
+    float* dst = yr;
+    if (op != co) {
+      padded_out.resize(ow * op);
+      dst = padded_out.data();
+    }
+    if (op % 64 == 0) ForwardRow<4, 6>(rows.data(), cols * cp, sw, cp, dw, packed.data(), kh, kw, op, dst, ow);
+    else if (op % 32 == 0) ForwardRow<2, 12>(rows.data(), cols * cp, sw, cp, dw, packed.data(), kh, kw, op, dst, ow);
+    else ForwardRow<1, 24>(rows.data(), cols * cp, sw, cp, dw, packed.data(), kh, kw, op, dst, ow);
+    if (op != co)
+      for (int64_t q = 0; q < ow; ++q) std::memcpy(yr + q * co, dst + q * op, co * sizeof(float));
   });
   return ffi::Error::Success();
 }
@@ -207,15 +259,18 @@ void WeightGradTile(const uint16_t* xq, const uint16_t* gq, int64_t rows, int64_
 using WeightGradTileFn = void (*)(const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
                                   int64_t, float*);
 
+// h, w: the input's rows and columns; cols: the padded input columns the taps read; co: the output gradient's
+// features, op: those rounded up to 16 (the tiles' and the partial sums' width).
 struct WeightGradShape {
-  int64_t n, hp, wp, c, oh, ow, co, kh, kw, sh, sw, dh, dw;
+  int64_t n, h, w, c, oh, ow, co, op, kh, kw, sh, sw, dh, dw, pt, pl, cols;
 };
 
-// Adds the output rows [y0, y1) of image b to dw: interleaves their input rows and gradient rows into pairs of
-// output columns, then runs the tiles over every tap.
+// Adds the output rows [y0, y1) of image b to dw: interleaves their (padded) input rows and gradient rows into
+// pairs of output columns, then runs the tiles over every tap.
 template <int CT, int CBV>
 void WeightGradChunk(const WeightGradShape& s, const uint16_t* x, const uint16_t* g, int64_t b, int64_t y0,
-                     int64_t y1, std::vector<uint16_t>& xbuf, std::vector<uint16_t>& gbuf, float* dw) {
+                     int64_t y1, std::vector<uint16_t>& xbuf, std::vector<uint16_t>& gbuf,
+                     std::vector<uint16_t>& row, float* dw) {
   static const WeightGradTileFn tails[13] = {nullptr,
                                               WeightGradTile<1, CBV>, WeightGradTile<2, CBV>, WeightGradTile<3, CBV>,
                                               WeightGradTile<4, CBV>, WeightGradTile<5, CBV>, WeightGradTile<6, CBV>,
@@ -224,35 +279,37 @@ void WeightGradChunk(const WeightGradShape& s, const uint16_t* x, const uint16_t
                                               WeightGradTile<12, CBV>};
   const int64_t pairs = (s.ow + 1) / 2, rows = y1 - y0;
   const int64_t in_rows = (rows - 1) * s.sh + (s.kh - 1) * s.dh + 1;
-  const int64_t x_row = s.wp * s.c * 2, g_row = pairs * s.co * 2;
+  const int64_t x_row = s.cols * s.c * 2, g_row = pairs * s.op * 2;
   xbuf.resize(in_rows * x_row);
   gbuf.resize(rows * g_row);
+  row.resize((s.cols + s.sw) * s.c);   // the pair of the last column read reaches sw columns further
   for (int64_t r = 0; r < in_rows; ++r) {  // xq[w][c] = (x[w][c], x[w + sw][c])
-    const uint16_t* src = x + (b * s.hp + y0 * s.sh + r) * s.wp * s.c;
-    for (int64_t col = 0; col < s.wp; ++col)
-      Interleave(src + col * s.c, col + s.sw < s.wp ? src + (col + s.sw) * s.c : nullptr, s.c,
-                 xbuf.data() + r * x_row + col * s.c * 2);
+    PaddedRow(x + b * s.h * s.w * s.c, s.h, s.w, s.c, s.pt, s.pl, y0 * s.sh + r, s.cols + s.sw, s.c, row.data());
+    for (int64_t col = 0; col < s.cols; ++col)
+      Interleave(row.data() + col * s.c, row.data() + (col + s.sw) * s.c, s.c, xbuf.data() + r * x_row + col * s.c * 2);
   }
-  for (int64_t r = 0; r < rows; ++r) {  // gq[j][o] = (g[2j][o], g[2j + 1][o])
+  for (int64_t r = 0; r < rows; ++r) {  // gq[j][o] = (g[2j][o], g[2j + 1][o]); features past co are zero
     const uint16_t* src = g + (b * s.oh + y0 + r) * s.ow * s.co;
-    for (int64_t j = 0; j < pairs; ++j)
-      Interleave(src + 2 * j * s.co, 2 * j + 1 < s.ow ? src + (2 * j + 1) * s.co : nullptr, s.co,
-                 gbuf.data() + r * g_row + j * s.co * 2);
+    for (int64_t j = 0; j < pairs; ++j) {
+      uint16_t* dst = gbuf.data() + r * g_row + j * s.op * 2;
+      Interleave(src + 2 * j * s.co, 2 * j + 1 < s.ow ? src + (2 * j + 1) * s.co : nullptr, s.co, dst);
+      std::memset(dst + 2 * s.co, 0, (s.op - s.co) * 2 * sizeof(uint16_t));
+    }
   }
   const int64_t x_pair = 2 * s.sw * s.c * 2;  // the next pair of output columns, in xq's elements
   for (int64_t i = 0; i < s.kh; ++i) {
     for (int64_t j = 0; j < s.kw; ++j) {
       const uint16_t* xk = xbuf.data() + i * s.dh * x_row + j * s.dw * s.c * 2;
-      float* dwk = dw + (i * s.kw + j) * s.c * s.co;
-      for (int64_t o = 0; o < s.co; o += CBV * 16) {
+      float* dwk = dw + (i * s.kw + j) * s.c * s.op;
+      for (int64_t o = 0; o < s.op; o += CBV * 16) {
         int64_t c = 0;
         for (; c + CT <= s.c; c += CT)
-          WeightGradTile<CT, CBV>(xk + c * 2, gbuf.data() + o * 2, rows, s.sh * x_row, g_row, pairs, x_pair, s.co,
-                                  dwk + c * s.co + o);
+          WeightGradTile<CT, CBV>(xk + c * 2, gbuf.data() + o * 2, rows, s.sh * x_row, g_row, pairs, x_pair, s.op,
+                                  dwk + c * s.op + o);
         for (; c < s.c;) {
           int64_t ct = std::min<int64_t>(12, s.c - c);
-          tails[ct](xk + c * 2, gbuf.data() + o * 2, rows, s.sh * x_row, g_row, pairs, x_pair, s.co,
-                    dwk + c * s.co + o);
+          tails[ct](xk + c * 2, gbuf.data() + o * 2, rows, s.sh * x_row, g_row, pairs, x_pair, s.op,
+                    dwk + c * s.op + o);
           c += ct;
         }
       }
@@ -260,42 +317,48 @@ void WeightGradChunk(const WeightGradShape& s, const uint16_t* x, const uint16_t
   }
 }
 
-// in: [N, Hp, Wp, C] bf16, g: [N, OH, OW, O] bf16 (O % 16 == 0), dw: [KH, KW, C, O] f32.
+// in: [N, H, W, C] bf16, read as if padded by pt rows and pl columns of zeros before it (and zeros after it);
+// g: [N, OH, OW, O] bf16; dw: [KH, KW, C, O] f32.
 ffi::Error WeightGradImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> in, ffi::Buffer<ffi::BF16> grad,
-                          ffi::ResultBuffer<ffi::F32> dw, int64_t sh, int64_t sw, int64_t dh, int64_t dwd) {
+                          ffi::ResultBuffer<ffi::F32> dw, int64_t sh, int64_t sw, int64_t dh, int64_t dwd,
+                          int64_t pt, int64_t pl) {
   auto xd = in.dimensions(), gd = grad.dimensions(), dd = dw->dimensions();
   if (xd.size() != 4 || gd.size() != 4 || dd.size() != 4)
     return ffi::Error::InvalidArgument("MxuConvWeightGrad: operands of rank 4 expected");
-  const WeightGradShape s{xd[0], xd[1], xd[2], xd[3], gd[1], gd[2], gd[3], dd[0], dd[1], sh, sw, dh, dwd};
-  if (dd[2] != s.c || dd[3] != s.co || s.co % 16 != 0 || gd[0] != s.n || sh < 1 || sw < 1 || dh < 1 || dwd < 1 ||
-      (s.oh - 1) * sh + (s.kh - 1) * dh + 1 > s.hp || (s.ow - 1) * sw + (s.kw - 1) * dwd + 1 > s.wp)
+  const int64_t co = gd[3], op = (co + 15) / 16 * 16;
+  const WeightGradShape s{xd[0], xd[1], xd[2], xd[3], gd[1], gd[2], co, op, dd[0], dd[1], sh, sw, dh, dwd, pt, pl,
+                          (gd[2] - 1) * sw + (dd[1] - 1) * dwd + 1};
+  if (dd[2] != s.c || dd[3] != co || gd[0] != s.n || sh < 1 || sw < 1 || dh < 1 || dwd < 1)
     return ffi::Error::InvalidArgument("MxuConvWeightGrad: shapes do not match");
   const uint16_t* x = reinterpret_cast<const uint16_t*>(in.untyped_data());
   const uint16_t* g = reinterpret_cast<const uint16_t*>(grad.untyped_data());
-  const int64_t size = s.kh * s.kw * s.c * s.co;
+  const int64_t size = s.kh * s.kw * s.c * co, padded_size = s.kh * s.kw * s.c * op;
   float* out = dw->typed_data();
-  if (s.n == 0 || s.oh == 0 || s.ow == 0) {
+  if (s.n == 0 || s.oh == 0 || s.ow == 0 || size == 0) {
     std::memset(out, 0, size * sizeof(float));
     return ffi::Error::Success();
   }
   // Chunks of a few output rows of one image (about 32 KiB of interleaved gradient), so that a chunk's pairs stay
   // in the core's cache while every tap reads them; each worker sums into its own copy of dw.
   const int64_t pairs = (s.ow + 1) / 2;
-  const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(s.oh, 16384 / std::max<int64_t>(1, pairs * s.co)));
+  const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(s.oh, 16384 / std::max<int64_t>(1, pairs * op)));
   const int64_t per_image = (s.oh + rows - 1) / rows, items = s.n * per_image;
   const int64_t workers = std::min(PoolThreads(pool), items);
-  std::vector<float> partial(workers * size, 0.0f);
+  std::vector<float> partial(workers * padded_size, 0.0f);
   ParallelFor(pool, items, workers, [&](int64_t item, int64_t worker) {
-    thread_local std::vector<uint16_t> xbuf, gbuf;
+    thread_local std::vector<uint16_t> xbuf, gbuf, row;
     const int64_t b = item / per_image, y0 = (item % per_image) * rows, y1 = std::min(s.oh, y0 + rows);
-    float* acc = partial.data() + worker * size;
-    if (s.co % 64 == 0) WeightGradChunk<6, 4>(s, x, g, b, y0, y1, xbuf, gbuf, acc);
-    else if (s.co % 32 == 0) WeightGradChunk<12, 2>(s, x, g, b, y0, y1, xbuf, gbuf, acc);
-    else WeightGradChunk<12, 1>(s, x, g, b, y0, y1, xbuf, gbuf, acc);
+    float* acc = partial.data() + worker * padded_size;
+    if (op % 64 == 0) WeightGradChunk<6, 4>(s, x, g, b, y0, y1, xbuf, gbuf, row, acc);
+    else if (op % 32 == 0) WeightGradChunk<12, 2>(s, x, g, b, y0, y1, xbuf, gbuf, row, acc);
+    else WeightGradChunk<12, 1>(s, x, g, b, y0, y1, xbuf, gbuf, row, acc);
   });
-  std::memcpy(out, partial.data(), size * sizeof(float));
-  for (int64_t p = 1; p < workers; ++p)
-    for (int64_t i = 0; i < size; ++i) out[i] += partial[p * size + i];
+  for (int64_t t = 0; t < s.kh * s.kw * s.c; ++t)
+    for (int64_t o = 0; o < co; ++o) {
+      float sum = partial[t * op + o];
+      for (int64_t p = 1; p < workers; ++p) sum += partial[p * padded_size + t * op + o];
+      out[t * co + o] = sum;
+    }
   return ffi::Error::Success();
 }
 
@@ -310,7 +373,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MxuConvForward, ForwardImpl,
                                   .Attr<int64_t>("sh")
                                   .Attr<int64_t>("sw")
                                   .Attr<int64_t>("dh")
-                                  .Attr<int64_t>("dw"));
+                                  .Attr<int64_t>("dw")
+                                  .Attr<int64_t>("pt")
+                                  .Attr<int64_t>("pl")
+                                  .Attr<int64_t>("io_swapped"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MxuConvWeightGrad, WeightGradImpl,
                               ffi::Ffi::Bind()
@@ -321,4 +387,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MxuConvWeightGrad, WeightGradImpl,
                                   .Attr<int64_t>("sh")
                                   .Attr<int64_t>("sw")
                                   .Attr<int64_t>("dh")
-                                  .Attr<int64_t>("dw"));
+                                  .Attr<int64_t>("dw")
+                                  .Attr<int64_t>("pt")
+                                  .Attr<int64_t>("pl"));

@@ -129,42 +129,35 @@ def available():
     return True
 
 
-def _round_up(n, multiple):
-    return -(-n // multiple) * multiple
+def _attributes(strides, dilation, padding):
+    """The kernels' attributes: strides, window dilation and the zeros before the input (``padding``'s low
+    sides; fewer than zero crop it), per spatial dimension. The high sides need no attribute: the output's shape
+    says how far the kernels read, and they read zeros past the input."""
+    (sh, sw), (dh, dw), ((pt, _), (pl, _)) = strides, dilation, padding
+    return dict(sh=np.int64(sh), sw=np.int64(sw), dh=np.int64(dh), dw=np.int64(dw), pt=np.int64(pt),
+                pl=np.int64(pl))
 
 
-def _geometry(strides, dilation):
-    """The kernels' attributes: strides and window dilation, per spatial dimension."""
-    return dict(sh=np.int64(strides[0]), sw=np.int64(strides[1]), dh=np.int64(dilation[0]), dw=np.int64(dilation[1]))
+def _output_size(size, window, strides, padding, dilation):
+    return tuple((n + lo + hi - (k - 1) * d - 1) // s + 1
+                 for n, k, s, (lo, hi), d in zip(size, window, strides, padding, dilation))
 
 
-def _forward(x, w, strides, padding, dilation=(1, 1)):
-    """``out[n, y, x, o] = sum x[n, y*sh + i*dh - pad, x*sw + j*dw - pad, c] w[i, j, c, o]``; x NHWC, w HWIO."""
-    c, co = w.shape[2], w.shape[3]
-    cp, cop = _round_up(c, 2), _round_up(co, 16)
-    # Spatial padding (negative crops) and an even number of input features, in one pass with the bf16 cast.
-    x = lax.pad(x.astype(jnp.bfloat16), jnp.zeros((), jnp.bfloat16),
-                [(0, 0, 0)] + [(lo, hi, 0) for lo, hi in padding] + [(0, cp - c, 0)])
-    w = jnp.pad(w.astype(jnp.bfloat16), ((0, 0), (0, 0), (0, cp - c), (0, cop - co)))
-    kh, kw = w.shape[:2]
-    w = w.reshape(kh, kw, cp // 2, 2, cop).transpose(0, 1, 2, 4, 3)     # pairs of input features
-    oh = (x.shape[1] - (kh - 1) * dilation[0] - 1) // strides[0] + 1
-    ow = (x.shape[2] - (kw - 1) * dilation[1] - 1) // strides[1] + 1
-    out = jax.ffi.ffi_call(_FORWARD, jax.ShapeDtypeStruct((x.shape[0], oh, ow, cop), jnp.float32))(
-        x, w, **_geometry(strides, dilation))
-    return out if cop == co else out[..., :co]
+def _forward(x, w, strides, padding, dilation=(1, 1), io_swapped=False):
+    """``out[n, y, x, o] = sum x[n, y*sh + i*dh - pad, x*sw + j*dw - pad, c] w[i, j, c, o]``; x NHWC, w HWIO
+    (HWOI with ``io_swapped``). The kernel pads the input and packs the weights itself: no padded copy of the
+    activations, no rearranged weights for XLA to write (or to generate code for)."""
+    co = w.shape[2] if io_swapped else w.shape[3]
+    oh, ow = _output_size(x.shape[1:3], w.shape[:2], strides, padding, dilation)
+    return jax.ffi.ffi_call(_FORWARD, jax.ShapeDtypeStruct((x.shape[0], oh, ow, co), jnp.float32))(
+        x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), io_swapped=np.int64(io_swapped),
+        **_attributes(strides, dilation, padding))
 
 
 def _weight_grad(x, g, window, strides, padding, dilation=(1, 1)):
     """``dw[i, j, c, o] = sum x[n, y*sh + i*dh - pad, x*sw + j*dw - pad, c] g[n, y, x, o]``; x, g NHWC."""
-    co = g.shape[3]
-    cop = _round_up(co, 16)
-    x = lax.pad(x.astype(jnp.bfloat16), jnp.zeros((), jnp.bfloat16),
-                [(0, 0, 0)] + [(lo, hi, 0) for lo, hi in padding] + [(0, 0, 0)])
-    g = jnp.pad(g.astype(jnp.bfloat16), ((0, 0), (0, 0), (0, 0), (0, cop - co)))
-    dw = jax.ffi.ffi_call(_WEIGHT_GRAD, jax.ShapeDtypeStruct(tuple(window) + (x.shape[3], cop), jnp.float32))(
-        x, g, **_geometry(strides, dilation))
-    return dw if cop == co else dw[..., :co]
+    return jax.ffi.ffi_call(_WEIGHT_GRAD, jax.ShapeDtypeStruct(tuple(window) + (x.shape[3], g.shape[3]), jnp.float32))(
+        x.astype(jnp.bfloat16), g.astype(jnp.bfloat16), **_attributes(strides, dilation, padding))
 
 
 def _forward_of_residue(x, taps, pad, outputs):
@@ -239,10 +232,13 @@ def direct_conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, d
         return None
     lspec, rspec, ospec = dimension_numbers
     lhs = lax.transpose(lhs, (lspec[0],) + tuple(lspec[2:]) + (lspec[1],))      # b, spatial..., f
+    # Autodiff's input gradient states the window as spatial..., o, f: the forward kernel reads it so, untransposed.
+    io_swapped = tuple(rspec[2:]) + (rspec[0], rspec[1]) == tuple(range(rhs.ndim))
+    as_given = rhs
     rhs = lax.transpose(rhs, tuple(rspec[2:]) + (rspec[1], rspec[0]))           # spatial..., f, o
     pad, size = tuple(tuple(p) for p in padding), lhs.shape[1:-1]
     if spatial == 1:
-        lhs, rhs, pad, size = lhs[:, None], rhs[None], ((0, 0),) + pad, (1,) + size
+        lhs, rhs, as_given, pad, size = lhs[:, None], rhs[None], as_given[None], ((0, 0),) + pad, (1,) + size
         window_strides, rhs_dilation = (1,) + tuple(window_strides), (1,) + tuple(rhs_dilation)
         lhs_dilation = (1,) + tuple(lhs_dilation)
     window = rhs.shape[:2]
@@ -262,6 +258,8 @@ def direct_conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, d
         examples_first = lax.transpose(lhs, (3, 1, 2, 0))                      # f, spatial..., b
         out = _weight_grad(examples_first, jnp.moveaxis(rhs, 2, 0), out_size, rhs_dilation, pad, window_strides)
         out = jnp.moveaxis(out, 2, 0)                                            # b, spatial..., o
+    elif io_swapped:
+        out = _forward(lhs, as_given, window_strides, pad, rhs_dilation, io_swapped=True)
     else:
         out = _forward(lhs, rhs, window_strides, pad, rhs_dilation)              # b, spatial..., o
     if spatial == 1:
