@@ -84,8 +84,15 @@ def _calls(fun, *args):
     return text.count(f"custom_call @{FORWARD}"), text.count(f"custom_call @{WEIGHT_GRAD}")
 
 
+@pytest.fixture(params=["fma", "bf16_dot"])
+def sums(request, monkeypatch):
+    """Both ways the kernels sum the products (see direct.sums_on_fma), whichever this host runs faster."""
+    monkeypatch.setattr(direct, "sums_on_fma", lambda: request.param == "fma")
+    return request.param
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_covered_convolutions_and_their_gradients_run_on_the_kernels_exactly(rng, case):
+def test_covered_convolutions_and_their_gradients_run_on_the_kernels_exactly(rng, case, sums):
     lhs_shape, rhs_shape, kwargs, calls = CASES[case]
     op = _conv(kwargs)
     a = rng.integers(-15, 16, lhs_shape).astype(np.float32)
@@ -137,7 +144,7 @@ def test_other_convolutions_stay_on_xla(rng, kwargs):
                               (1, 1, 1), (1, 1, 1), volume, 1, 1) is None   # three spatial dimensions
 
 
-def test_operands_are_rounded_to_bfloat16_and_products_summed_in_float32(rng):
+def test_operands_are_rounded_to_bfloat16_and_products_summed_in_float32(rng, sums):
     op = _conv(CASES["wide"][2])
     a = rng.standard_normal((2, 9, 13, 64)).astype(np.float32)
     b = rng.standard_normal((3, 3, 64, 64)).astype(np.float32)
@@ -185,6 +192,15 @@ def test_a_keras_convnet_trains_on_the_kernels_as_on_the_cpu(monkeypatch):
     np.testing.assert_allclose(tpu_history, cpu_history, rtol=2e-5)
     for got, want in zip(tpu.get_weights(), cpu.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_kernels_sum_on_whichever_instruction_this_host_runs_faster():
+    # The bf16 dot instruction adds two products per lane, an FMA one: Intel's Emerald Rapids yields 0.50x the
+    # products on it, AMD's Zen 4 about 2x. The kernels take the FMAs where the dot yields fewer.
+    speedup = direct._library.MxuBf16DotSpeedup()
+    assert 0.1 < speedup < 10
+    if abs(speedup - 1) > 0.2:   # (a host where both run alike may measure either side of 1)
+        assert direct.sums_on_fma() == (speedup < 1)
 
 
 def test_the_kernels_are_built_once_into_the_cache(tmp_path, monkeypatch):

@@ -77,11 +77,8 @@ CONV_CASES = {
 
 def direct_for(layout):
     """The built-in table's form for an ordinary convolution of ``layout`` in training on a bf16 host: the direct
-    kernels where they run and this host measured them faster than XLA's convolutions (for that layout)."""
-    chosen = kernels.conv_kernels_here() if direct.available() else kernels.ROUND_F32
-    if chosen == kernels.BF16_DIRECT or chosen == kernels.DIRECT_WEIGHT_GRADIENTS and layout == "weight_grad":
-        return kernels.BF16_DIRECT
-    return kernels.ROUND_F32
+    kernels where they run and this host measured them faster than XLA's convolutions."""
+    return kernels.conv_kernels_here() if direct.available() else kernels.ROUND_F32
 
 
 def integers(rng, shape):

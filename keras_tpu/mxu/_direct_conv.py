@@ -117,25 +117,50 @@ def available():
         logger.info("keras-tpu: no C++ compiler found; convolutions run on XLA's float32 kernels "
                     "(install g++ for the faster bf16 ones).")
         return False
+    global _library
     try:
         library = ctypes.CDLL(_compile(compiler))
         jax.ffi.register_ffi_target(_FORWARD, jax.ffi.pycapsule(library.MxuConvForward), platform="cpu")
         jax.ffi.register_ffi_target(_WEIGHT_GRAD, jax.ffi.pycapsule(library.MxuConvWeightGrad), platform="cpu")
+        library.MxuBf16DotSpeedup.restype = ctypes.c_double
     except (OSError, subprocess.CalledProcessError, AttributeError) as error:
         detail = getattr(error, "stderr", "") or error
         logger.warning("keras-tpu: could not build its MXU convolution kernels (%s); convolutions run on XLA's "
                        "float32 kernels.", str(detail).strip()[:2000])
         return False
+    _library = library
     return True
+
+
+_library = None   # the loaded kernels (available())
+
+
+@functools.lru_cache(maxsize=None)
+def sums_on_fma():
+    """Whether the kernels sum the MXU's products with float32 FMAs on bfloat16 values widened to float32 (exact
+    products too) rather than with the bf16 dot instruction, VDPBF16PS: where that instruction yields fewer
+    products per second. Measured once per process (~4 ms): an Intel Xeon of the Emerald Rapids generation runs
+    one VDPBF16PS per two cycles and two FMAs per cycle, half the products (0.50x); AMD's Zen 4 the reverse.
+
+    Example:
+        >>> sums_on_fma() in (True, False)
+        True
+    """
+    if not available():
+        return False
+    speedup = _library.MxuBf16DotSpeedup()
+    logger.debug("keras-tpu: the bf16 dot instruction sums %.2fx the products of float32 FMAs on this host.", speedup)
+    return speedup < 1.0
 
 
 def _attributes(strides, dilation, padding):
     """The kernels' attributes: strides, window dilation and the zeros before the input (``padding``'s low
-    sides; fewer than zero crop it), per spatial dimension. The high sides need no attribute: the output's shape
-    says how far the kernels read, and they read zeros past the input."""
+    sides; fewer than zero crop it), per spatial dimension, and how they sum (:func:`sums_on_fma`). The high
+    sides need no attribute: the output's shape says how far the kernels read, and they read zeros past the
+    input."""
     (sh, sw), (dh, dw), ((pt, _), (pl, _)) = strides, dilation, padding
     return dict(sh=np.int64(sh), sw=np.int64(sw), dh=np.int64(dh), dw=np.int64(dw), pt=np.int64(pt),
-                pl=np.int64(pl))
+                pl=np.int64(pl), fma=np.int64(sums_on_fma()))
 
 
 def _output_size(size, window, strides, padding, dilation):
