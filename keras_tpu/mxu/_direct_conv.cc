@@ -16,7 +16,10 @@
 // take their operands as XLA holds them (NHWC, HWIO): padding, odd feature counts and output features that
 // are not a multiple of 16 are handled here, so XLA writes no rearranged copy of any operand.
 // Only the order of the float32 additions differs from any other summation order of the MXU's products;
-// like the MXU, the instruction flushes denormal bf16 inputs and results to zero.
+// like the MXU, the instruction flushes denormal bf16 inputs and results to zero. Where it yields fewer products
+// than float32 FMAs (MxuBf16DotSpeedup below 1: Intel's Emerald Rapids), the kernels widen the operands to
+// float32 and sum on FMAs instead (the `fma` attribute): bf16 x bf16 products are exact in float32 too, and
+// denormals then follow the thread's MXCSR flags, as in XLA's own float32 kernels.
 //
 // Work is split over XLA's intra-op thread pool (the caller's thread takes part).
 #include <immintrin.h>

@@ -3,10 +3,13 @@
 XLA:CPU has no bfloat16 convolution: it converts the operands to float32 and
 runs Eigen's or YNNPACK's float32 kernels. A host with AVX-512 BF16 multiplies
 bf16 pairs exactly and sums them in float32 (``VDPBF16PS``), which is the
-MXU's arithmetic at twice the float32 rate. ``_direct_conv.cc`` computes
-convolutions on it directly (no im2col patches): the forward convolution, which
-also serves the input gradient of a stride-1 convolution, and the weight
-gradient. This module compiles it once per host into a cache directory (the
+MXU's arithmetic, at twice the float32 rate on AMD's Zen 4 (where the
+instruction yields fewer products than float32 FMAs, as on Intel's Emerald
+Rapids, the kernels sum on FMAs of the widened operands instead:
+:func:`sums_on_fma`). ``_direct_conv.cc`` computes convolutions directly (no
+im2col patches), on operands as XLA holds them (it pads and packs them itself):
+the forward convolution, which also serves the input gradient of a stride-1
+convolution, and the weight gradient. This module compiles it once per host into a cache directory (the
 C++ compiler and jaxlib's FFI headers are all it needs), registers its two
 handlers with XLA, and states a ``conv_general_dilated`` in their terms:
 :func:`direct_conv` returns ``None`` for anything they do not cover
