@@ -145,23 +145,46 @@ void PaddedRowF32(const uint16_t* x, int64_t h, int64_t w, int64_t c, int64_t pt
 
 // ------------------------------------------------------------------------------------------------ forward
 
-// PB output columns times CBV*16 output features, summed over the window and the input features.
-template <int PB, int CBV>
-void ForwardTile(const uint16_t* in, int64_t in_row, int64_t in_col_step, int64_t in_pixel,
-                 const uint16_t* w, int64_t kh, int64_t kw, int64_t cpairs, int64_t co, float* out) {
+// How a tile sums its products: on VDPBF16PS, two bf16 operands per lane and step (K = 2, operands
+// interleaved in pairs along the contraction), or on float32 FMAs of the operands widened to float32, one per
+// lane and step (K = 1). A host whose bf16 dot instruction runs at half its FMA rate (Intel's Sapphire and
+// Emerald Rapids: one VDPBF16PS per two cycles, two FMAs per cycle) computes the same sums twice as fast on FMAs.
+struct Bf16DotSums {
+  using T = uint16_t;
+  using Vec = __m512bh;
+  static constexpr int K = 2;
+  static Vec Load(const T* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static Vec Broadcast(const T* p) { return BroadcastPair(p); }
+  static __m512 Add(__m512 acc, Vec a, Vec b) { return _mm512_dpbf16_ps(acc, a, b); }
+};
+
+struct FmaSums {
+  using T = float;
+  using Vec = __m512;
+  static constexpr int K = 1;
+  static Vec Load(const T* p) { return _mm512_loadu_ps(p); }
+  static Vec Broadcast(const T* p) { return _mm512_set1_ps(*p); }
+  static __m512 Add(__m512 acc, Vec a, Vec b) { return _mm512_fmadd_ps(a, b, acc); }
+};
+
+// PB output columns times CBV*16 output features, summed over the window and the input features (`steps` steps
+// of S::K features; the weights packed as [KH][KW][steps][co][K]).
+template <typename S, int PB, int CBV>
+void ForwardTile(const typename S::T* in, int64_t in_row, int64_t in_col_step, int64_t in_pixel,
+                 const typename S::T* w, int64_t kh, int64_t kw, int64_t steps, int64_t co, float* out) {
   __m512 acc[PB][CBV];
   for (int p = 0; p < PB; ++p)
     for (int v = 0; v < CBV; ++v) acc[p][v] = _mm512_setzero_ps();
   for (int64_t i = 0; i < kh; ++i) {
     for (int64_t j = 0; j < kw; ++j) {
-      const uint16_t* x = in + i * in_row + j * in_pixel;
-      const uint16_t* wt = w + (i * kw + j) * cpairs * co * 2;
-      for (int64_t cp = 0; cp < cpairs; ++cp) {
-        __m512bh wv[CBV];
-        for (int v = 0; v < CBV; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(wt + cp * co * 2 + v * 32);
+      const typename S::T* x = in + i * in_row + j * in_pixel;
+      const typename S::T* wt = w + (i * kw + j) * steps * co * S::K;
+      for (int64_t k = 0; k < steps; ++k) {
+        typename S::Vec wv[CBV];
+        for (int v = 0; v < CBV; ++v) wv[v] = S::Load(wt + (k * co + v * 16) * S::K);
         for (int p = 0; p < PB; ++p) {
-          __m512bh xv = BroadcastPair(x + p * in_col_step + cp * 2);
-          for (int v = 0; v < CBV; ++v) acc[p][v] = _mm512_dpbf16_ps(acc[p][v], xv, wv[v]);
+          typename S::Vec xv = S::Broadcast(x + p * in_col_step + k * S::K);
+          for (int v = 0; v < CBV; ++v) acc[p][v] = S::Add(acc[p][v], xv, wv[v]);
         }
       }
     }
@@ -170,82 +193,33 @@ void ForwardTile(const uint16_t* in, int64_t in_row, int64_t in_col_step, int64_
     for (int v = 0; v < CBV; ++v) _mm512_storeu_ps(out + p * co + v * 16, acc[p][v]);
 }
 
-using ForwardTileFn = void (*)(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
-                               int64_t, int64_t, float*);
-
 // One output row: PB columns at a time (fewer at the row's end), CBV*16 features at a time. `in` holds the row's
-// kh input rows one after another (in_row elements each); dw: the window's dilation in input columns.
-template <int CBV, int PB>
-void ForwardRow(const uint16_t* in, int64_t in_row, int64_t sw, int64_t cp, int64_t dw,
-                const uint16_t* w, int64_t kh, int64_t kw, int64_t co, float* out, int64_t ow) {
-  static const ForwardTileFn tails[8] = {nullptr,
-                                         ForwardTile<1, CBV>, ForwardTile<2, CBV>, ForwardTile<3, CBV>,
-                                         ForwardTile<4, CBV>, ForwardTile<5, CBV>, ForwardTile<6, CBV>,
-                                         ForwardTile<7, CBV>};
+// kh input rows one after another (in_row elements each, cp features per column); dw: the window's dilation in
+// input columns.
+template <typename S, int CBV, int PB>
+void ForwardRow(const typename S::T* in, int64_t in_row, int64_t sw, int64_t cp, int64_t dw,
+                const typename S::T* w, int64_t kh, int64_t kw, int64_t co, float* out, int64_t ow) {
+  using TileFn = void (*)(const typename S::T*, int64_t, int64_t, int64_t, const typename S::T*, int64_t, int64_t,
+                          int64_t, int64_t, float*);
+  static const TileFn tails[8] = {nullptr,
+                                  ForwardTile<S, 1, CBV>, ForwardTile<S, 2, CBV>, ForwardTile<S, 3, CBV>,
+                                  ForwardTile<S, 4, CBV>, ForwardTile<S, 5, CBV>, ForwardTile<S, 6, CBV>,
+                                  ForwardTile<S, 7, CBV>};
   const int64_t step = sw * cp;
   for (int64_t o = 0; o < co; o += CBV * 16) {
     int64_t x = 0;
     for (; x + PB <= ow; x += PB)
-      ForwardTile<PB, CBV>(in + x * step, in_row, step, cp * dw, w + o * 2, kh, kw, cp / 2, co, out + x * co + o);
+      ForwardTile<S, PB, CBV>(in + x * step, in_row, step, cp * dw, w + o * S::K, kh, kw, cp / S::K, co,
+                              out + x * co + o);
     while (x < ow) {
       int64_t pb = std::min<int64_t>(7, ow - x);
-      tails[pb](in + x * step, in_row, step, cp * dw, w + o * 2, kh, kw, cp / 2, co, out + x * co + o);
+      tails[pb](in + x * step, in_row, step, cp * dw, w + o * S::K, kh, kw, cp / S::K, co, out + x * co + o);
       x += pb;
     }
   }
 }
 
-// ForwardTile on float32 FMAs: the operands (bfloat16 values) widened to float32, whose products are exact
-// too. A host whose bf16 dot instruction runs at half its FMA rate (Intel's Sapphire and Emerald Rapids: one
-// VDPBF16PS per two cycles, two FMAs per cycle) computes the same sums twice as fast so.
-template <int PB, int CBV>
-void ForwardTileF32(const float* in, int64_t in_row, int64_t in_col_step, int64_t in_pixel,
-                    const float* w, int64_t kh, int64_t kw, int64_t c, int64_t co, float* out) {
-  __m512 acc[PB][CBV];
-  for (int p = 0; p < PB; ++p)
-    for (int v = 0; v < CBV; ++v) acc[p][v] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < kh; ++i) {
-    for (int64_t j = 0; j < kw; ++j) {
-      const float* x = in + i * in_row + j * in_pixel;
-      const float* wt = w + (i * kw + j) * c * co;
-      for (int64_t ci = 0; ci < c; ++ci) {
-        __m512 wv[CBV];
-        for (int v = 0; v < CBV; ++v) wv[v] = _mm512_loadu_ps(wt + ci * co + v * 16);
-        for (int p = 0; p < PB; ++p) {
-          __m512 xv = _mm512_set1_ps(x[p * in_col_step + ci]);
-          for (int v = 0; v < CBV; ++v) acc[p][v] = _mm512_fmadd_ps(xv, wv[v], acc[p][v]);
-        }
-      }
-    }
-  }
-  for (int p = 0; p < PB; ++p)
-    for (int v = 0; v < CBV; ++v) _mm512_storeu_ps(out + p * co + v * 16, acc[p][v]);
-}
-
-using ForwardTileF32Fn = void (*)(const float*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t,
-                                  int64_t, int64_t, float*);
-
-template <int CBV, int PB>
-void ForwardRowF32(const float* in, int64_t in_row, int64_t sw, int64_t c, int64_t dw,
-                   const float* w, int64_t kh, int64_t kw, int64_t co, float* out, int64_t ow) {
-  static const ForwardTileF32Fn tails[8] = {nullptr,
-                                            ForwardTileF32<1, CBV>, ForwardTileF32<2, CBV>, ForwardTileF32<3, CBV>,
-                                            ForwardTileF32<4, CBV>, ForwardTileF32<5, CBV>, ForwardTileF32<6, CBV>,
-                                            ForwardTileF32<7, CBV>};
-  const int64_t step = sw * c;
-  for (int64_t o = 0; o < co; o += CBV * 16) {
-    int64_t x = 0;
-    for (; x + PB <= ow; x += PB)
-      ForwardTileF32<PB, CBV>(in + x * step, in_row, step, c * dw, w + o, kh, kw, c, co, out + x * co + o);
-    while (x < ow) {
-      int64_t pb = std::min<int64_t>(7, ow - x);
-      tails[pb](in + x * step, in_row, step, c * dw, w + o, kh, kw, c, co, out + x * co + o);
-      x += pb;
-    }
-  }
-}
-
-// ForwardImpl on float32 FMAs (see ForwardTileF32): weights packed as [KH][KW][C][OP] float32, each output
+// ForwardImpl on float32 FMAs (FmaSums): weights packed as [KH][KW][C][OP] float32, each output
 // row's input rows widened to float32 as they are copied.
 ffi::Error ForwardF32(ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* wt, float* y, int64_t n, int64_t h,
                       int64_t wi, int64_t c, int64_t kh, int64_t kw, int64_t co, int64_t op, int64_t oh, int64_t ow,
@@ -270,9 +244,9 @@ ffi::Error ForwardF32(ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* 
       padded_out.resize(ow * op);
       dst = padded_out.data();
     }
-    if (op % 64 == 0) ForwardRowF32<4, 6>(rows.data(), cols * c, sw, c, dw, packed.data(), kh, kw, op, dst, ow);
-    else if (op % 32 == 0) ForwardRowF32<2, 12>(rows.data(), cols * c, sw, c, dw, packed.data(), kh, kw, op, dst, ow);
-    else ForwardRowF32<1, 24>(rows.data(), cols * c, sw, c, dw, packed.data(), kh, kw, op, dst, ow);
+    if (op % 64 == 0) ForwardRow<FmaSums, 4, 6>(rows.data(), cols * c, sw, c, dw, packed.data(), kh, kw, op, dst, ow);
+    else if (op % 32 == 0) ForwardRow<FmaSums, 2, 12>(rows.data(), cols * c, sw, c, dw, packed.data(), kh, kw, op, dst, ow);
+    else ForwardRow<FmaSums, 1, 24>(rows.data(), cols * c, sw, c, dw, packed.data(), kh, kw, op, dst, ow);
     if (op != co)
       for (int64_t q = 0; q < ow; ++q) std::memcpy(yr + q * co, dst + q * op, co * sizeof(float));
   });
@@ -321,9 +295,9 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> in, ffi::Buf
       padded_out.resize(ow * op);
       dst = padded_out.data();
     }
-    if (op % 64 == 0) ForwardRow<4, 6>(rows.data(), cols * cp, sw, cp, dw, packed.data(), kh, kw, op, dst, ow);
-    else if (op % 32 == 0) ForwardRow<2, 12>(rows.data(), cols * cp, sw, cp, dw, packed.data(), kh, kw, op, dst, ow);
-    else ForwardRow<1, 24>(rows.data(), cols * cp, sw, cp, dw, packed.data(), kh, kw, op, dst, ow);
+    if (op % 64 == 0) ForwardRow<Bf16DotSums, 4, 6>(rows.data(), cols * cp, sw, cp, dw, packed.data(), kh, kw, op, dst, ow);
+    else if (op % 32 == 0) ForwardRow<Bf16DotSums, 2, 12>(rows.data(), cols * cp, sw, cp, dw, packed.data(), kh, kw, op, dst, ow);
+    else ForwardRow<Bf16DotSums, 1, 24>(rows.data(), cols * cp, sw, cp, dw, packed.data(), kh, kw, op, dst, ow);
     if (op != co)
       for (int64_t q = 0; q < ow; ++q) std::memcpy(yr + q * co, dst + q * op, co * sizeof(float));
   });
@@ -350,23 +324,25 @@ void Interleave(const uint16_t* a, const uint16_t* b, int64_t len, uint16_t* out
   }
 }
 
-// CT input features times CBV*16 output features of one tap, summed over a chunk's rows and column pairs.
-template <int CT, int CBV>
-void WeightGradTile(const uint16_t* xq, const uint16_t* gq, int64_t rows, int64_t x_row, int64_t g_row,
-                    int64_t pairs, int64_t x_pair, int64_t co, float* dw) {
+// CT input features times CBV*16 output features of one tap, summed over a chunk's rows and `count` steps along
+// them (column pairs of the interleaved buffers with Bf16DotSums, columns with FmaSums; x_step elements apart in
+// xq, co * K in gq).
+template <typename S, int CT, int CBV>
+void WeightGradTile(const typename S::T* xq, const typename S::T* gq, int64_t rows, int64_t x_row, int64_t g_row,
+                    int64_t count, int64_t x_step, int64_t co, float* dw) {
   __m512 acc[CT][CBV];
   for (int c = 0; c < CT; ++c)
     for (int v = 0; v < CBV; ++v) acc[c][v] = _mm512_loadu_ps(dw + c * co + v * 16);
   for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* xr = xq + r * x_row;
-    const uint16_t* gr = gq + r * g_row;
-    for (int64_t j = 0; j < pairs; ++j) {
-      __m512bh gv[CBV];
-      for (int v = 0; v < CBV; ++v) gv[v] = (__m512bh)_mm512_loadu_si512(gr + j * co * 2 + v * 32);
-      const uint16_t* xj = xr + j * x_pair;
+    const typename S::T* xr = xq + r * x_row;
+    const typename S::T* gr = gq + r * g_row;
+    for (int64_t j = 0; j < count; ++j) {
+      typename S::Vec gv[CBV];
+      for (int v = 0; v < CBV; ++v) gv[v] = S::Load(gr + (j * co + v * 16) * S::K);
+      const typename S::T* xj = xr + j * x_step;
       for (int c = 0; c < CT; ++c) {
-        __m512bh xv = BroadcastPair(xj + c * 2);
-        for (int v = 0; v < CBV; ++v) acc[c][v] = _mm512_dpbf16_ps(acc[c][v], xv, gv[v]);
+        typename S::Vec xv = S::Broadcast(xj + c * S::K);
+        for (int v = 0; v < CBV; ++v) acc[c][v] = S::Add(acc[c][v], xv, gv[v]);
       }
     }
   }
@@ -374,14 +350,43 @@ void WeightGradTile(const uint16_t* xq, const uint16_t* gq, int64_t rows, int64_
     for (int v = 0; v < CBV; ++v) _mm512_storeu_ps(dw + c * co + v * 16, acc[c][v]);
 }
 
-using WeightGradTileFn = void (*)(const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                  int64_t, float*);
-
 // h, w: the input's rows and columns; cols: the padded input columns the taps read; co: the output gradient's
 // features, op: those rounded up to 16 (the tiles' and the partial sums' width).
 struct WeightGradShape {
   int64_t n, h, w, c, oh, ow, co, op, kh, kw, sh, sw, dh, dw, pt, pl, cols;
 };
+
+// Runs the tiles over every tap of a chunk's buffers (built by WeightGradChunk or WeightGradChunkF32): `rows` rows
+// of the output gradient, `count` steps along each (x_step elements apart in xbuf), into dw.
+template <typename S, int CT, int CBV>
+void WeightGradTaps(const WeightGradShape& s, const typename S::T* xbuf, const typename S::T* gbuf, int64_t rows,
+                    int64_t x_row, int64_t g_row, int64_t count, int64_t x_step, float* dw) {
+  using TileFn = void (*)(const typename S::T*, const typename S::T*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, float*);
+  static const TileFn tails[13] = {nullptr,
+                                   WeightGradTile<S, 1, CBV>, WeightGradTile<S, 2, CBV>, WeightGradTile<S, 3, CBV>,
+                                   WeightGradTile<S, 4, CBV>, WeightGradTile<S, 5, CBV>, WeightGradTile<S, 6, CBV>,
+                                   WeightGradTile<S, 7, CBV>, WeightGradTile<S, 8, CBV>, WeightGradTile<S, 9, CBV>,
+                                   WeightGradTile<S, 10, CBV>, WeightGradTile<S, 11, CBV>, WeightGradTile<S, 12, CBV>};
+  for (int64_t i = 0; i < s.kh; ++i) {
+    for (int64_t j = 0; j < s.kw; ++j) {
+      const typename S::T* xk = xbuf + i * s.dh * x_row + j * s.dw * s.c * S::K;
+      float* dwk = dw + (i * s.kw + j) * s.c * s.op;
+      for (int64_t o = 0; o < s.op; o += CBV * 16) {
+        int64_t c = 0;
+        for (; c + CT <= s.c; c += CT)
+          WeightGradTile<S, CT, CBV>(xk + c * S::K, gbuf + o * S::K, rows, s.sh * x_row, g_row, count, x_step, s.op,
+                                     dwk + c * s.op + o);
+        for (; c < s.c;) {
+          int64_t ct = std::min<int64_t>(12, s.c - c);
+          tails[ct](xk + c * S::K, gbuf + o * S::K, rows, s.sh * x_row, g_row, count, x_step, s.op,
+                    dwk + c * s.op + o);
+          c += ct;
+        }
+      }
+    }
+  }
+}
 
 // Adds the output rows [y0, y1) of image b to dw: interleaves their (padded) input rows and gradient rows into
 // pairs of output columns, then runs the tiles over every tap.
@@ -389,12 +394,6 @@ template <int CT, int CBV>
 void WeightGradChunk(const WeightGradShape& s, const uint16_t* x, const uint16_t* g, int64_t b, int64_t y0,
                      int64_t y1, std::vector<uint16_t>& xbuf, std::vector<uint16_t>& gbuf,
                      std::vector<uint16_t>& row, float* dw) {
-  static const WeightGradTileFn tails[13] = {nullptr,
-                                              WeightGradTile<1, CBV>, WeightGradTile<2, CBV>, WeightGradTile<3, CBV>,
-                                              WeightGradTile<4, CBV>, WeightGradTile<5, CBV>, WeightGradTile<6, CBV>,
-                                              WeightGradTile<7, CBV>, WeightGradTile<8, CBV>, WeightGradTile<9, CBV>,
-                                              WeightGradTile<10, CBV>, WeightGradTile<11, CBV>,
-                                              WeightGradTile<12, CBV>};
   const int64_t pairs = (s.ow + 1) / 2, rows = y1 - y0;
   const int64_t in_rows = (rows - 1) * s.sh + (s.kh - 1) * s.dh + 1;
   const int64_t x_row = s.cols * s.c * 2, g_row = pairs * s.op * 2;
@@ -414,64 +413,14 @@ void WeightGradChunk(const WeightGradShape& s, const uint16_t* x, const uint16_t
       std::memset(dst + 2 * s.co, 0, (s.op - s.co) * 2 * sizeof(uint16_t));
     }
   }
-  const int64_t x_pair = 2 * s.sw * s.c * 2;  // the next pair of output columns, in xq's elements
-  for (int64_t i = 0; i < s.kh; ++i) {
-    for (int64_t j = 0; j < s.kw; ++j) {
-      const uint16_t* xk = xbuf.data() + i * s.dh * x_row + j * s.dw * s.c * 2;
-      float* dwk = dw + (i * s.kw + j) * s.c * s.op;
-      for (int64_t o = 0; o < s.op; o += CBV * 16) {
-        int64_t c = 0;
-        for (; c + CT <= s.c; c += CT)
-          WeightGradTile<CT, CBV>(xk + c * 2, gbuf.data() + o * 2, rows, s.sh * x_row, g_row, pairs, x_pair, s.op,
-                                  dwk + c * s.op + o);
-        for (; c < s.c;) {
-          int64_t ct = std::min<int64_t>(12, s.c - c);
-          tails[ct](xk + c * 2, gbuf.data() + o * 2, rows, s.sh * x_row, g_row, pairs, x_pair, s.op,
-                    dwk + c * s.op + o);
-          c += ct;
-        }
-      }
-    }
-  }
+  // (the next pair of output columns is 2 * sw columns further in xbuf)
+  WeightGradTaps<Bf16DotSums, CT, CBV>(s, xbuf.data(), gbuf.data(), rows, x_row, g_row, pairs, 2 * s.sw * s.c * 2, dw);
 }
-
-// WeightGradTile on float32 FMAs (see ForwardTileF32): CT input features times CBV*16 output features of one
-// tap, summed over a chunk's rows and columns; x and g widened to float32, unpaired.
-template <int CT, int CBV>
-void WeightGradTileF32(const float* xq, const float* gq, int64_t rows, int64_t x_row, int64_t g_row, int64_t ow,
-                       int64_t x_col, int64_t co, float* dw) {
-  __m512 acc[CT][CBV];
-  for (int c = 0; c < CT; ++c)
-    for (int v = 0; v < CBV; ++v) acc[c][v] = _mm512_loadu_ps(dw + c * co + v * 16);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = xq + r * x_row;
-    const float* gr = gq + r * g_row;
-    for (int64_t j = 0; j < ow; ++j) {
-      __m512 gv[CBV];
-      for (int v = 0; v < CBV; ++v) gv[v] = _mm512_loadu_ps(gr + j * co + v * 16);
-      const float* xj = xr + j * x_col;
-      for (int c = 0; c < CT; ++c) {
-        __m512 xv = _mm512_set1_ps(xj[c]);
-        for (int v = 0; v < CBV; ++v) acc[c][v] = _mm512_fmadd_ps(xv, gv[v], acc[c][v]);
-      }
-    }
-  }
-  for (int c = 0; c < CT; ++c)
-    for (int v = 0; v < CBV; ++v) _mm512_storeu_ps(dw + c * co + v * 16, acc[c][v]);
-}
-
-using WeightGradTileF32Fn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                     int64_t, float*);
 
 // WeightGradChunk on float32 FMAs: the chunk's padded input rows and gradient rows widened to float32.
 template <int CT, int CBV>
 void WeightGradChunkF32(const WeightGradShape& s, const uint16_t* x, const uint16_t* g, int64_t b, int64_t y0,
                         int64_t y1, std::vector<float>& xbuf, std::vector<float>& gbuf, float* dw) {
-  static const WeightGradTileF32Fn tails[13] = {
-      nullptr, WeightGradTileF32<1, CBV>, WeightGradTileF32<2, CBV>, WeightGradTileF32<3, CBV>,
-      WeightGradTileF32<4, CBV>, WeightGradTileF32<5, CBV>, WeightGradTileF32<6, CBV>, WeightGradTileF32<7, CBV>,
-      WeightGradTileF32<8, CBV>, WeightGradTileF32<9, CBV>, WeightGradTileF32<10, CBV>, WeightGradTileF32<11, CBV>,
-      WeightGradTileF32<12, CBV>};
   const int64_t rows = y1 - y0, in_rows = (rows - 1) * s.sh + (s.kh - 1) * s.dh + 1;
   const int64_t x_row = s.cols * s.c, g_row = s.ow * s.op;
   xbuf.resize(in_rows * x_row);
@@ -490,24 +439,7 @@ void WeightGradChunkF32(const WeightGradShape& s, const uint16_t* x, const uint1
       }
     }
   }
-  const int64_t x_col = s.sw * s.c;   // the next output column, in xbuf's elements
-  for (int64_t i = 0; i < s.kh; ++i) {
-    for (int64_t j = 0; j < s.kw; ++j) {
-      const float* xk = xbuf.data() + i * s.dh * x_row + j * s.dw * s.c;
-      float* dwk = dw + (i * s.kw + j) * s.c * s.op;
-      for (int64_t o = 0; o < s.op; o += CBV * 16) {
-        int64_t c = 0;
-        for (; c + CT <= s.c; c += CT)
-          WeightGradTileF32<CT, CBV>(xk + c, gbuf.data() + o, rows, s.sh * x_row, g_row, s.ow, x_col, s.op,
-                                     dwk + c * s.op + o);
-        for (; c < s.c;) {
-          int64_t ct = std::min<int64_t>(12, s.c - c);
-          tails[ct](xk + c, gbuf.data() + o, rows, s.sh * x_row, g_row, s.ow, x_col, s.op, dwk + c * s.op + o);
-          c += ct;
-        }
-      }
-    }
-  }
+  WeightGradTaps<FmaSums, CT, CBV>(s, xbuf.data(), gbuf.data(), rows, x_row, g_row, s.ow, s.sw * s.c, dw);
 }
 
 // in: [N, H, W, C] bf16, read as if padded by pt rows and pl columns of zeros before it (and zeros after it);
