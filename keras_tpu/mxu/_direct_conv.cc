@@ -206,14 +206,18 @@ void ForwardRow(const typename S::T* in, int64_t in_row, int64_t sw, int64_t cp,
                                   ForwardTile<S, 4, CBV>, ForwardTile<S, 5, CBV>, ForwardTile<S, 6, CBV>,
                                   ForwardTile<S, 7, CBV>};
   const int64_t step = sw * cp;
+  // Without dilation a window row's taps read consecutive columns, cp features each, and their weights follow
+  // one another too: one run of kw * cp features (few features, as a first layer's 3, then still fill a tile's
+  // loop).
+  const int64_t taps = dw == 1 ? 1 : kw, steps = (dw == 1 ? kw : 1) * cp / S::K;
   for (int64_t o = 0; o < co; o += CBV * 16) {
     int64_t x = 0;
     for (; x + PB <= ow; x += PB)
-      ForwardTile<S, PB, CBV>(in + x * step, in_row, step, cp * dw, w + o * S::K, kh, kw, cp / S::K, co,
+      ForwardTile<S, PB, CBV>(in + x * step, in_row, step, cp * dw, w + o * S::K, kh, taps, steps, co,
                               out + x * co + o);
     while (x < ow) {
       int64_t pb = std::min<int64_t>(7, ow - x);
-      tails[pb](in + x * step, in_row, step, cp * dw, w + o * S::K, kh, kw, cp / S::K, co, out + x * co + o);
+      tails[pb](in + x * step, in_row, step, cp * dw, w + o * S::K, kh, taps, steps, co, out + x * co + o);
       x += pb;
     }
   }
@@ -368,17 +372,20 @@ void WeightGradTaps(const WeightGradShape& s, const typename S::T* xbuf, const t
                                    WeightGradTile<S, 4, CBV>, WeightGradTile<S, 5, CBV>, WeightGradTile<S, 6, CBV>,
                                    WeightGradTile<S, 7, CBV>, WeightGradTile<S, 8, CBV>, WeightGradTile<S, 9, CBV>,
                                    WeightGradTile<S, 10, CBV>, WeightGradTile<S, 11, CBV>, WeightGradTile<S, 12, CBV>};
+  // Without dilation a window row's taps read consecutive columns of c features each, and their gradients follow
+  // one another in dw too: one run of kw * c features, tiled without a partial tile per tap.
+  const int64_t taps = s.dw == 1 ? 1 : s.kw, features = (s.dw == 1 ? s.kw : 1) * s.c;
   for (int64_t i = 0; i < s.kh; ++i) {
-    for (int64_t j = 0; j < s.kw; ++j) {
+    for (int64_t j = 0; j < taps; ++j) {
       const typename S::T* xk = xbuf + i * s.dh * x_row + j * s.dw * s.c * S::K;
       float* dwk = dw + (i * s.kw + j) * s.c * s.op;
       for (int64_t o = 0; o < s.op; o += CBV * 16) {
         int64_t c = 0;
-        for (; c + CT <= s.c; c += CT)
+        for (; c + CT <= features; c += CT)
           WeightGradTile<S, CT, CBV>(xk + c * S::K, gbuf + o * S::K, rows, s.sh * x_row, g_row, count, x_step, s.op,
                                      dwk + c * s.op + o);
-        for (; c < s.c;) {
-          int64_t ct = std::min<int64_t>(12, s.c - c);
+        for (; c < features;) {
+          int64_t ct = std::min<int64_t>(12, features - c);
           tails[ct](xk + c * S::K, gbuf + o * S::K, rows, s.sh * x_row, g_row, count, x_step, s.op,
                     dwk + c * s.op + o);
           c += ct;
