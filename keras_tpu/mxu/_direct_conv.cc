@@ -14,7 +14,8 @@
 // the forward kernel's weights as [KH][KW][C/2][O][2], packed once per call (small), the weight gradient's
 // input and output gradient along output columns (x, x+1), built chunk by chunk so they stay in cache. Both
 // take their operands as XLA holds them (NHWC, HWIO): padding, odd feature counts and output features that
-// are not a multiple of 16 are handled here, so XLA writes no rearranged copy of any operand.
+// are not a multiple of 16 are handled here, so XLA writes no rearranged copy of any operand. A convolution of at
+// most 4 output features sums along its input features instead (FewOutputs), as 16 lanes of outputs would idle.
 // Only the order of the float32 additions differs from any other summation order of the MXU's products;
 // like the MXU, the instruction flushes denormal bf16 inputs and results to zero. Where it yields fewer products
 // than float32 FMAs (MxuBf16DotSpeedup below 1: Intel's Emerald Rapids), the kernels widen the operands to
@@ -32,6 +33,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -82,6 +84,24 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t items, int64_t workers, const F&
 
 int64_t PoolThreads(ffi::ThreadPool& pool) { return std::max<int64_t>(1, pool.num_threads()); }
 
+// Buffers the tiles load whole vectors from start on a cache line: a 64-byte load that spans two lines costs two
+// of the core's load slots (malloc's 16-byte alignment split every other one).
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAligned<U>&) const { return false; }
+};
+template <typename T>
+using AlignedBuffer = std::vector<T, LineAligned<T>>;
+
 inline __m512bh BroadcastPair(const uint16_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -92,29 +112,6 @@ inline __m512bh BroadcastPair(const uint16_t* p) {
 // than zero crop it), applied as each work item copies the input rows it reads into a buffer of its own: XLA
 // would otherwise write a padded copy of every activation, and compile a loop for each (ResNet-20's training
 // program spent about a third of its generated code on them).
-
-// Row `r` of the padded input (`cols` columns from column 0 of the padding, `cp` >= c features each, the extra
-// ones zero) into `dst`; rows and columns outside the input are zeros.
-void PaddedRow(const uint16_t* x, int64_t h, int64_t w, int64_t c, int64_t pt, int64_t pl, int64_t r,
-               int64_t cols, int64_t cp, uint16_t* dst) {
-  const int64_t real = r - pt;
-  const int64_t first = std::max<int64_t>(0, pl), last = std::min<int64_t>(cols, w + pl);  // columns read from x
-  if (real < 0 || real >= h || first >= last) {
-    std::memset(dst, 0, cols * cp * sizeof(uint16_t));
-    return;
-  }
-  const uint16_t* src = x + real * w * c;
-  std::memset(dst, 0, first * cp * sizeof(uint16_t));
-  if (cp == c) {
-    std::memcpy(dst + first * cp, src + (first - pl) * c, (last - first) * c * sizeof(uint16_t));
-  } else {
-    for (int64_t q = first; q < last; ++q) {
-      std::memcpy(dst + q * cp, src + (q - pl) * c, c * sizeof(uint16_t));
-      std::memset(dst + q * cp + c, 0, (cp - c) * sizeof(uint16_t));
-    }
-  }
-  std::memset(dst + last * cp, 0, (cols - last) * cp * sizeof(uint16_t));
-}
 
 // dst[k] = src[k] as float32 (exact: a bfloat16 is the top half of a float32).
 void Bf16ToF32(const uint16_t* src, int64_t n, float* dst) {
@@ -129,22 +126,6 @@ void Bf16ToF32(const uint16_t* src, int64_t n, float* dst) {
   }
 }
 
-// PaddedRow's row as float32 (c features per column).
-void PaddedRowF32(const uint16_t* x, int64_t h, int64_t w, int64_t c, int64_t pt, int64_t pl, int64_t r,
-                  int64_t cols, float* dst) {
-  const int64_t real = r - pt;
-  const int64_t first = std::max<int64_t>(0, pl), last = std::min<int64_t>(cols, w + pl);
-  if (real < 0 || real >= h || first >= last) {
-    std::memset(dst, 0, cols * c * sizeof(float));
-    return;
-  }
-  std::memset(dst, 0, first * c * sizeof(float));
-  Bf16ToF32(x + real * w * c + (first - pl) * c, (last - first) * c, dst + first * c);
-  std::memset(dst + last * c, 0, (cols - last) * c * sizeof(float));
-}
-
-// ------------------------------------------------------------------------------------------------ forward
-
 // How a tile sums its products: on VDPBF16PS, two bf16 operands per lane and step (K = 2, operands
 // interleaved in pairs along the contraction), or on float32 FMAs of the operands widened to float32, one per
 // lane and step (K = 1). A host whose bf16 dot instruction runs at half its FMA rate (Intel's Sapphire and
@@ -156,6 +137,8 @@ struct Bf16DotSums {
   static Vec Load(const T* p) { return (__m512bh)_mm512_loadu_si512(p); }
   static Vec Broadcast(const T* p) { return BroadcastPair(p); }
   static __m512 Add(__m512 acc, Vec a, Vec b) { return _mm512_dpbf16_ps(acc, a, b); }
+  static void Copy(const uint16_t* src, int64_t n, T* dst) { std::memcpy(dst, src, n * sizeof(T)); }
+  static T Value(uint16_t bits) { return bits; }
 };
 
 struct FmaSums {
@@ -165,7 +148,41 @@ struct FmaSums {
   static Vec Load(const T* p) { return _mm512_loadu_ps(p); }
   static Vec Broadcast(const T* p) { return _mm512_set1_ps(*p); }
   static __m512 Add(__m512 acc, Vec a, Vec b) { return _mm512_fmadd_ps(a, b, acc); }
+  static void Copy(const uint16_t* src, int64_t n, T* dst) { Bf16ToF32(src, n, dst); }
+  static T Value(uint16_t bits) {
+    uint32_t wide = uint32_t(bits) << 16;
+    float f;
+    std::memcpy(&f, &wide, 4);
+    return f;
+  }
 };
+
+// Row `r` of the padded input (`cols` columns from column 0 of the padding, `cp` >= c features each, the extra
+// ones zero) into `dst`, as the tiles read it (S::T); rows and columns outside the input are zeros.
+template <typename S>
+void PaddedRow(const uint16_t* x, int64_t h, int64_t w, int64_t c, int64_t pt, int64_t pl, int64_t r,
+               int64_t cols, int64_t cp, typename S::T* dst) {
+  using T = typename S::T;
+  const int64_t real = r - pt;
+  const int64_t first = std::max<int64_t>(0, pl), last = std::min<int64_t>(cols, w + pl);  // columns read from x
+  if (real < 0 || real >= h || first >= last) {
+    std::memset(dst, 0, cols * cp * sizeof(T));
+    return;
+  }
+  const uint16_t* src = x + real * w * c;
+  std::memset(dst, 0, first * cp * sizeof(T));
+  if (cp == c) {
+    S::Copy(src + (first - pl) * c, (last - first) * c, dst + first * cp);
+  } else {
+    for (int64_t q = first; q < last; ++q) {
+      S::Copy(src + (q - pl) * c, c, dst + q * cp);
+      std::memset(dst + q * cp + c, 0, (cp - c) * sizeof(T));
+    }
+  }
+  std::memset(dst + last * cp, 0, (cols - last) * cp * sizeof(T));
+}
+
+// ------------------------------------------------------------------------------------------------ forward
 
 // PB output columns times CBV*16 output features, summed over the window and the input features (`steps` steps
 // of S::K features; the weights packed as [KH][KW][steps][co][K]).
@@ -223,38 +240,144 @@ void ForwardRow(const typename S::T* in, int64_t in_row, int64_t sw, int64_t cp,
   }
 }
 
-// ForwardImpl on float32 FMAs (FmaSums): weights packed as [KH][KW][C][OP] float32, each output
-// row's input rows widened to float32 as they are copied.
-ffi::Error ForwardF32(ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* wt, float* y, int64_t n, int64_t h,
-                      int64_t wi, int64_t c, int64_t kh, int64_t kw, int64_t co, int64_t op, int64_t oh, int64_t ow,
-                      int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt, int64_t pl, int64_t cols,
-                      int64_t io_swapped) {
-  std::vector<float> packed(kh * kw * c * op, 0.0f);
-  for (int64_t t = 0; t < kh * kw; ++t)
-    for (int64_t ci = 0; ci < c; ++ci)
-      for (int64_t o = 0; o < co; ++o) {
-        uint32_t bits = uint32_t(io_swapped ? wt[(t * co + o) * c + ci] : wt[(t * c + ci) * co + o]) << 16;
-        std::memcpy(&packed[(t * c + ci) * op + o], &bits, 4);
-      }
-  ParallelFor(pool, n * oh, PoolThreads(pool), [&](int64_t r, int64_t) {
-    thread_local std::vector<float> rows, padded_out;
-    const int64_t b = r / oh, row = r % oh;
-    rows.resize(kh * cols * c);
-    for (int64_t i = 0; i < kh; ++i)
-      PaddedRowF32(x + b * h * wi * c, h, wi, c, pt, pl, row * sh + i * dh, cols, rows.data() + i * cols * c);
-    float* yr = y + r * ow * co;
+// A convolution's geometry as the forward kernels see it (see ForwardImpl).
+struct ForwardShape {
+  int64_t n, h, w, c, kh, kw, co, oh, ow, sh, sw, dh, dw, pt, pl, io_swapped;
+  // The window's weight of tap (i, j), input feature ci, output feature o, from XLA's HWIO (or HWOI) array.
+  int64_t WeightIndex(int64_t i, int64_t j, int64_t ci, int64_t o) const {
+    const int64_t t = i * kw + j;
+    return io_swapped ? (t * co + o) * c + ci : (t * c + ci) * co + o;
+  }
+  // The window rows [i0, i1) of output row `row` that read rows of the input, not its zero padding (i0 >= i1:
+  // none, the output row is zero). A valid convolution's input gradient, padded by two rows on each side of a
+  // 14-row input, skips 6 of its 48 row-taps.
+  void RowsRead(int64_t row, int64_t& i0, int64_t& i1) const {
+    const int64_t base = row * sh - pt;   // the input row tap 0 reads; tap i reads base + i * dh
+    i0 = base >= 0 ? 0 : (-base + dh - 1) / dh;
+    i1 = base > h - 1 ? 0 : std::min(kh, (h - 1 - base) / dh + 1);
+  }
+};
+
+// out = the convolution on the tiles of S: weights packed once per call as [KH][KW][CP/K][OP][K] (CP: c rounded
+// up to K, OP: co to 16, the extra ones zero), each output row's input rows copied with their padding into a
+// buffer of the work item's own.
+template <typename S>
+void ForwardOnTiles(ffi::ThreadPool& pool, const ForwardShape& f, const uint16_t* x, const uint16_t* wt, float* y) {
+  using T = typename S::T;
+  const int64_t cp = (f.c + S::K - 1) / S::K * S::K, op = (f.co + 15) / 16 * 16;
+  const int64_t cols = (f.ow - 1) * f.sw + (f.kw - 1) * f.dw + 1;  // the padded input columns a row of outputs reads
+  AlignedBuffer<T> packed(f.kh * f.kw * cp * op, T(0));
+  for (int64_t i = 0; i < f.kh; ++i)
+    for (int64_t j = 0; j < f.kw; ++j)
+      for (int64_t ci = 0; ci < f.c; ++ci)
+        for (int64_t o = 0; o < f.co; ++o)
+          packed[(((i * f.kw + j) * (cp / S::K) + ci / S::K) * op + o) * S::K + ci % S::K] =
+              S::Value(wt[f.WeightIndex(i, j, ci, o)]);
+  ParallelFor(pool, f.n * f.oh, PoolThreads(pool), [&](int64_t r, int64_t) {
+    thread_local AlignedBuffer<T> rows;
+    thread_local std::vector<float> padded_out;
+    const int64_t b = r / f.oh, row = r % f.oh;
+    float* yr = y + r * f.ow * f.co;
+    int64_t i0, i1;
+    f.RowsRead(row, i0, i1);
+    if (i0 >= i1) {
+      std::memset(yr, 0, f.ow * f.co * sizeof(float));
+      return;
+    }
+    rows.resize((i1 - i0) * cols * cp);
+    for (int64_t i = i0; i < i1; ++i)
+      PaddedRow<S>(x + b * f.h * f.w * f.c, f.h, f.w, f.c, f.pt, f.pl, row * f.sh + i * f.dh, cols, cp,
+                   rows.data() + (i - i0) * cols * cp);
     float* dst = yr;
-    if (op != co) {
-      padded_out.resize(ow * op);
+    if (op != f.co) {
+      padded_out.resize(f.ow * op);
       dst = padded_out.data();
     }
-    if (op % 64 == 0) ForwardRow<FmaSums, 4, 6>(rows.data(), cols * c, sw, c, dw, packed.data(), kh, kw, op, dst, ow);
-    else if (op % 32 == 0) ForwardRow<FmaSums, 2, 12>(rows.data(), cols * c, sw, c, dw, packed.data(), kh, kw, op, dst, ow);
-    else ForwardRow<FmaSums, 1, 24>(rows.data(), cols * c, sw, c, dw, packed.data(), kh, kw, op, dst, ow);
-    if (op != co)
-      for (int64_t q = 0; q < ow; ++q) std::memcpy(yr + q * co, dst + q * op, co * sizeof(float));
+    const T* w = packed.data() + i0 * f.kw * cp * op;
+    const int64_t taps = i1 - i0;
+    if (op % 64 == 0) ForwardRow<S, 4, 6>(rows.data(), cols * cp, f.sw, cp, f.dw, w, taps, f.kw, op, dst, f.ow);
+    else if (op % 32 == 0) ForwardRow<S, 2, 12>(rows.data(), cols * cp, f.sw, cp, f.dw, w, taps, f.kw, op, dst, f.ow);
+    else ForwardRow<S, 1, 24>(rows.data(), cols * cp, f.sw, cp, f.dw, w, taps, f.kw, op, dst, f.ow);
+    if (op != f.co)
+      for (int64_t q = 0; q < f.ow; ++q) std::memcpy(yr + q * f.co, dst + q * op, f.co * sizeof(float));
   });
-  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------- few output features
+
+// A convolution of at most kFewOutputs output features (a first layer's input gradient, 3 features for RGB
+// images; a generator's output layer) would fill CO of a tile's 16 lanes above. Here the lanes run along the
+// input features instead: each accumulator sums one output's products for 16 * K input features of one column,
+// and is summed across its lanes once at the end. The operands are read as they lie (NHWC rows, weights packed
+// [KH][CO][KW][CP]), so there is nothing to transpose. CIFAR-10's first-layer input gradient (128 images of
+// 32x32x32 -> 3) ran 3x as fast as on the tiles above, which compute 16 outputs to keep 3.
+constexpr int64_t kFewOutputs = 4;
+
+// PB output columns (from `in`, a step of `col_step` elements apart) times CO output features, each summed over
+// the window's `taps` rows (in_row elements apart in `in`, CO * run_w elements in `w`) and `runs` runs along
+// them, of `steps` vectors each (run_x elements apart in `in`, run_w in `w`).
+template <typename S, int CO, int PB>
+void FewOutputsTile(const typename S::T* in, int64_t in_row, int64_t col_step, int64_t run_x, const typename S::T* w,
+                    int64_t run_w, int64_t taps, int64_t runs, int64_t steps, float* out, int64_t valid) {
+  __m512 acc[PB][CO];
+  for (int p = 0; p < PB; ++p)
+    for (int o = 0; o < CO; ++o) acc[p][o] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < taps; ++i) {
+    for (int64_t j = 0; j < runs; ++j) {
+      const typename S::T* xi = in + i * in_row + j * run_x;
+      const typename S::T* wi = w + i * CO * run_w * runs + j * run_w;
+      for (int64_t k = 0; k < steps; ++k) {
+        typename S::Vec wv[CO];
+        for (int o = 0; o < CO; ++o) wv[o] = S::Load(wi + o * run_w * runs + k * 16 * S::K);
+        for (int p = 0; p < PB; ++p) {
+          typename S::Vec xv = S::Load(xi + p * col_step + k * 16 * S::K);
+          asm("" : "+v"(xv));   // one load for the CO products (the compiler would fold it into each)
+          for (int o = 0; o < CO; ++o) acc[p][o] = S::Add(acc[p][o], xv, wv[o]);
+        }
+      }
+    }
+  }
+  for (int p = 0; p < valid; ++p)
+    for (int o = 0; o < CO; ++o) out[p * CO + o] = _mm512_reduce_add_ps(acc[p][o]);
+}
+
+// PB: enough columns for 24 accumulators (16 for one output: its loads, one per product, then bound it).
+template <typename S, int CO>
+void FewOutputs(ffi::ThreadPool& pool, const ForwardShape& f, const uint16_t* x, const uint16_t* wt, float* y) {
+  using T = typename S::T;
+  constexpr int PB = CO == 1 ? 16 : 24 / CO;
+  constexpr int64_t lanes = 16 * S::K;
+  const int64_t cp = (f.c + lanes - 1) / lanes * lanes;
+  const int64_t cols = (f.ow - 1) * f.sw + (f.kw - 1) * f.dw + 1;
+  // A partial tile at a row's end reads PB columns and keeps the valid ones: the buffer has room for them.
+  const int64_t buffer_cols = ((f.ow + PB - 1) / PB * PB - 1) * f.sw + (f.kw - 1) * f.dw + 1;
+  // Without dilation a window row's taps read one run of kw * cp features (and its weights lie so too).
+  const int64_t runs = f.dw == 1 ? 1 : f.kw, run = (f.dw == 1 ? f.kw : 1) * cp;
+  AlignedBuffer<T> packed(f.kh * CO * f.kw * cp, T(0));   // [KH][CO][KW][CP]
+  for (int64_t i = 0; i < f.kh; ++i)
+    for (int64_t o = 0; o < CO; ++o)
+      for (int64_t j = 0; j < f.kw; ++j)
+        for (int64_t ci = 0; ci < f.c; ++ci)
+          packed[((i * CO + o) * f.kw + j) * cp + ci] = S::Value(wt[f.WeightIndex(i, j, ci, o)]);
+  ParallelFor(pool, f.n * f.oh, PoolThreads(pool), [&](int64_t r, int64_t) {
+    thread_local AlignedBuffer<T> rows;
+    const int64_t b = r / f.oh, row = r % f.oh;
+    float* yr = y + r * f.ow * CO;
+    int64_t i0, i1;
+    f.RowsRead(row, i0, i1);
+    if (i0 >= i1) {
+      std::memset(yr, 0, f.ow * CO * sizeof(float));
+      return;
+    }
+    rows.resize((i1 - i0) * buffer_cols * cp);
+    for (int64_t i = i0; i < i1; ++i)
+      PaddedRow<S>(x + b * f.h * f.w * f.c, f.h, f.w, f.c, f.pt, f.pl, row * f.sh + i * f.dh, buffer_cols, cp,
+                   rows.data() + (i - i0) * buffer_cols * cp);
+    const T* w = packed.data() + i0 * CO * f.kw * cp;
+    for (int64_t q = 0; q < f.ow; q += PB)
+      FewOutputsTile<S, CO, PB>(rows.data() + q * f.sw * cp, buffer_cols * cp, f.sw * cp, f.dw * cp, w, run,
+                                i1 - i0, runs, run / lanes, yr + q * CO, std::min<int64_t>(PB, f.ow - q));
+  });
 }
 
 // in: [N, H, W, C] bf16; w: [KH, KW, C, O] bf16, or [KH, KW, O, C] with io_swapped; out: [N, OH, OW, O] f32.
@@ -265,46 +388,31 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> in, ffi::Buf
   auto xd = in.dimensions(), wd = w.dimensions(), od = out->dimensions();
   if (xd.size() != 4 || wd.size() != 4 || od.size() != 4)
     return ffi::Error::InvalidArgument("MxuConvForward: operands of rank 4 expected");
-  const int64_t n = xd[0], h = xd[1], wi = xd[2], c = xd[3];
-  const int64_t kh = wd[0], kw = wd[1], co = io_swapped ? wd[2] : wd[3], oh = od[1], ow = od[2];
-  if ((io_swapped ? wd[3] : wd[2]) != c || od[0] != n || od[3] != co || sh < 1 || sw < 1 || dh < 1 || dw < 1)
+  const ForwardShape f{xd[0], xd[1], xd[2], xd[3], wd[0], wd[1], io_swapped ? wd[2] : wd[3], od[1], od[2],
+                       sh, sw, dh, dw, pt, pl, io_swapped};
+  if ((io_swapped ? wd[3] : wd[2]) != f.c || od[0] != f.n || od[3] != f.co || sh < 1 || sw < 1 || dh < 1 || dw < 1)
     return ffi::Error::InvalidArgument("MxuConvForward: shapes do not match");
   float* y = out->typed_data();
-  if (n * oh * ow * co == 0) return ffi::Error::Success();
+  if (f.n * f.oh * f.ow * f.co == 0) return ffi::Error::Success();
   const uint16_t* x = reinterpret_cast<const uint16_t*>(in.untyped_data());
   const uint16_t* wt = reinterpret_cast<const uint16_t*>(w.untyped_data());
-  const int64_t cols = (ow - 1) * sw + (kw - 1) * dw + 1;  // the padded input columns a row of outputs reads
-  const int64_t op = (co + 15) / 16 * 16;                    // output features rounded up to the tiles' 16
-  if (fma) return ForwardF32(pool, x, wt, y, n, h, wi, c, kh, kw, co, op, oh, ow, sh, sw, dh, dw, pt, pl, cols,
-                             io_swapped);
-  // The weights as the tiles read them: [KH][KW][CP/2][OP][2], input features in pairs (CP = C rounded up to
-  // even), the extra features zero. Small: packed once per call.
-  const int64_t cp = c + (c & 1);
-  std::vector<uint16_t> packed(kh * kw * cp * op, 0);
-  for (int64_t t = 0; t < kh * kw; ++t)
-    for (int64_t ci = 0; ci < c; ++ci)
-      for (int64_t o = 0; o < co; ++o)
-        packed[((t * (cp / 2) + ci / 2) * op + o) * 2 + (ci & 1)] =
-            io_swapped ? wt[(t * co + o) * c + ci] : wt[(t * c + ci) * co + o];
-  ParallelFor(pool, n * oh, PoolThreads(pool), [&](int64_t r, int64_t) {
-    thread_local std::vector<uint16_t> rows;
-    thread_local std::vector<float> padded_out;
-    const int64_t b = r / oh, row = r % oh;
-    rows.resize(kh * cols * cp);
-    for (int64_t i = 0; i < kh; ++i)
-      PaddedRow(x + b * h * wi * c, h, wi, c, pt, pl, row * sh + i * dh, cols, cp, rows.data() + i * cols * cp);
-    float* yr = y + r * ow * co;
-    float* dst = yr;
-    if (op != co) {
-      padded_out.resize(ow * op);
-      dst = padded_out.data();
+  // Few outputs of many inputs: lanes along the inputs (fewer than 16 inputs would leave lanes empty there).
+  if (f.co <= kFewOutputs && f.c >= 16) {
+    switch (f.co * 2 + (fma ? 1 : 0)) {
+      case 2: FewOutputs<Bf16DotSums, 1>(pool, f, x, wt, y); break;
+      case 3: FewOutputs<FmaSums, 1>(pool, f, x, wt, y); break;
+      case 4: FewOutputs<Bf16DotSums, 2>(pool, f, x, wt, y); break;
+      case 5: FewOutputs<FmaSums, 2>(pool, f, x, wt, y); break;
+      case 6: FewOutputs<Bf16DotSums, 3>(pool, f, x, wt, y); break;
+      case 7: FewOutputs<FmaSums, 3>(pool, f, x, wt, y); break;
+      case 8: FewOutputs<Bf16DotSums, 4>(pool, f, x, wt, y); break;
+      default: FewOutputs<FmaSums, 4>(pool, f, x, wt, y); break;
     }
-    if (op % 64 == 0) ForwardRow<Bf16DotSums, 4, 6>(rows.data(), cols * cp, sw, cp, dw, packed.data(), kh, kw, op, dst, ow);
-    else if (op % 32 == 0) ForwardRow<Bf16DotSums, 2, 12>(rows.data(), cols * cp, sw, cp, dw, packed.data(), kh, kw, op, dst, ow);
-    else ForwardRow<Bf16DotSums, 1, 24>(rows.data(), cols * cp, sw, cp, dw, packed.data(), kh, kw, op, dst, ow);
-    if (op != co)
-      for (int64_t q = 0; q < ow; ++q) std::memcpy(yr + q * co, dst + q * op, co * sizeof(float));
-  });
+  } else if (fma) {
+    ForwardOnTiles<FmaSums>(pool, f, x, wt, y);
+  } else {
+    ForwardOnTiles<Bf16DotSums>(pool, f, x, wt, y);
+  }
   return ffi::Error::Success();
 }
 
@@ -399,8 +507,8 @@ void WeightGradTaps(const WeightGradShape& s, const typename S::T* xbuf, const t
 // pairs of output columns, then runs the tiles over every tap.
 template <int CT, int CBV>
 void WeightGradChunk(const WeightGradShape& s, const uint16_t* x, const uint16_t* g, int64_t b, int64_t y0,
-                     int64_t y1, std::vector<uint16_t>& xbuf, std::vector<uint16_t>& gbuf,
-                     std::vector<uint16_t>& row, float* dw) {
+                     int64_t y1, AlignedBuffer<uint16_t>& xbuf, AlignedBuffer<uint16_t>& gbuf,
+                     AlignedBuffer<uint16_t>& row, float* dw) {
   const int64_t pairs = (s.ow + 1) / 2, rows = y1 - y0;
   const int64_t in_rows = (rows - 1) * s.sh + (s.kh - 1) * s.dh + 1;
   const int64_t x_row = s.cols * s.c * 2, g_row = pairs * s.op * 2;
@@ -408,7 +516,8 @@ void WeightGradChunk(const WeightGradShape& s, const uint16_t* x, const uint16_t
   gbuf.resize(rows * g_row);
   row.resize((s.cols + s.sw) * s.c);   // the pair of the last column read reaches sw columns further
   for (int64_t r = 0; r < in_rows; ++r) {  // xq[w][c] = (x[w][c], x[w + sw][c])
-    PaddedRow(x + b * s.h * s.w * s.c, s.h, s.w, s.c, s.pt, s.pl, y0 * s.sh + r, s.cols + s.sw, s.c, row.data());
+    PaddedRow<Bf16DotSums>(x + b * s.h * s.w * s.c, s.h, s.w, s.c, s.pt, s.pl, y0 * s.sh + r, s.cols + s.sw, s.c,
+                           row.data());
     for (int64_t col = 0; col < s.cols; ++col)
       Interleave(row.data() + col * s.c, row.data() + (col + s.sw) * s.c, s.c, xbuf.data() + r * x_row + col * s.c * 2);
   }
@@ -427,13 +536,14 @@ void WeightGradChunk(const WeightGradShape& s, const uint16_t* x, const uint16_t
 // WeightGradChunk on float32 FMAs: the chunk's padded input rows and gradient rows widened to float32.
 template <int CT, int CBV>
 void WeightGradChunkF32(const WeightGradShape& s, const uint16_t* x, const uint16_t* g, int64_t b, int64_t y0,
-                        int64_t y1, std::vector<float>& xbuf, std::vector<float>& gbuf, float* dw) {
+                        int64_t y1, AlignedBuffer<float>& xbuf, AlignedBuffer<float>& gbuf, float* dw) {
   const int64_t rows = y1 - y0, in_rows = (rows - 1) * s.sh + (s.kh - 1) * s.dh + 1;
   const int64_t x_row = s.cols * s.c, g_row = s.ow * s.op;
   xbuf.resize(in_rows * x_row);
   gbuf.resize(rows * g_row);
   for (int64_t r = 0; r < in_rows; ++r)
-    PaddedRowF32(x + b * s.h * s.w * s.c, s.h, s.w, s.c, s.pt, s.pl, y0 * s.sh + r, s.cols, xbuf.data() + r * x_row);
+    PaddedRow<FmaSums>(x + b * s.h * s.w * s.c, s.h, s.w, s.c, s.pt, s.pl, y0 * s.sh + r, s.cols, s.c,
+                       xbuf.data() + r * x_row);
   for (int64_t r = 0; r < rows; ++r) {   // features past co are zero
     const uint16_t* src = g + (b * s.oh + y0 + r) * s.ow * s.co;
     float* dst = gbuf.data() + r * g_row;
@@ -476,10 +586,10 @@ ffi::Error WeightGradImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> in, ffi::
   const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(s.oh, (fma ? 8192 : 16384) / std::max<int64_t>(1, pairs * op)));
   const int64_t per_image = (s.oh + rows - 1) / rows, items = s.n * per_image;
   const int64_t workers = std::min(PoolThreads(pool), items);
-  std::vector<float> partial(workers * padded_size, 0.0f);
+  AlignedBuffer<float> partial(workers * padded_size, 0.0f);
   ParallelFor(pool, items, workers, [&](int64_t item, int64_t worker) {
-    thread_local std::vector<uint16_t> xbuf, gbuf, row;
-    thread_local std::vector<float> xbuf32, gbuf32;
+    thread_local AlignedBuffer<uint16_t> xbuf, gbuf, row;
+    thread_local AlignedBuffer<float> xbuf32, gbuf32;
     const int64_t b = item / per_image, y0 = (item % per_image) * rows, y1 = std::min(s.oh, y0 + rows);
     float* acc = partial.data() + worker * padded_size;
     if (fma) {
