@@ -1,4 +1,5 @@
-"""The vector unit's exact fast lowerings (keras_tpu._vector_unit): a sum over a few large leading rows."""
+"""The vector unit's exact fast lowerings (keras_tpu._vector_unit): a sum over a few large leading rows, the
+random bits of dropout."""
 
 import re
 
@@ -102,3 +103,39 @@ def test_only_sums_of_a_few_large_rows_are_rewritten():
     collective = jax.make_jaxpr(lambda a: lax.psum(a, "devices"), axis_env=[("devices", 8)])(jnp.zeros((8, big)))
     (eqn,) = collective.jaxpr.eqns
     assert eqn.primitive.name == "psum" and vector_unit_rule()(eqn) is None
+
+
+@pytest.mark.parametrize("partitionable", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.uint16, jnp.uint32])
+def test_random_bits_are_jaxs_own_with_the_hash_unrolled(partitionable, dtype):
+    before = jax.config.jax_threefry_partitionable
+    jax.config.update("jax_threefry_partitionable", partitionable)
+    try:
+        key = jax.random.key(3)
+        for fun, arg in ((lambda k: jax.random.bits(k, (5, 7), dtype), key),                         # one key
+                         (jax.vmap(lambda k: jax.random.bits(k, (3, 33), dtype)), jax.random.split(key, 4)),
+                         (lambda s: jax.random.bernoulli(s, 0.3, (100, 17)), jnp.array([7, 9], jnp.uint32))):
+            routed = rewrite.transform(fun, vector_unit_rule())
+            np.testing.assert_array_equal(jax.jit(routed)(arg), jax.jit(fun)(arg))
+            # JAX's CPU lowering of the hash is a loop over its rounds; the rewritten program has none.
+            assert "while" in jax.jit(fun).lower(arg).as_text()
+            assert "while" not in jax.jit(routed).lower(arg).as_text()
+    finally:
+        jax.config.update("jax_threefry_partitionable", before)
+
+
+def test_a_keras_dropout_layer_drops_the_same_units_as_in_plain_keras():
+    import keras
+
+    layer = keras.layers.Dropout(0.4, seed=11)
+    x = jnp.ones((64, 48))
+
+    def dropped(x, seed_state):
+        layer.seed_generator.state.assign(seed_state)   # stateless: the generator's state as an argument
+        return layer(x, training=True)
+
+    state = jnp.array(layer.seed_generator.state.value)
+    want = jax.jit(dropped)(x, state)
+    got = jax.jit(rewrite.transform(dropped, vector_unit_rule()))(x, state)
+    np.testing.assert_array_equal(got, want)
+    assert 0.3 < float(jnp.mean(got == 0)) < 0.5
