@@ -471,8 +471,8 @@ struct WeightGradShape {
 // Runs the tiles over every tap of a chunk's buffers (built by WeightGradChunk or WeightGradChunkF32): `rows` rows
 // of the output gradient, `count` steps along each (x_step elements apart in xbuf), into dw.
 template <typename S, int CT, int CBV>
-void WeightGradTaps(const WeightGradShape& s, const typename S::T* xbuf, const typename S::T* gbuf, int64_t rows,
-                    int64_t x_row, int64_t g_row, int64_t count, int64_t x_step, float* dw) {
+void WeightGradTaps(const WeightGradShape& s, const typename S::T* xbuf, const typename S::T* gbuf, int64_t y0,
+                    int64_t rows, int64_t x_row, int64_t g_row, int64_t count, int64_t x_step, float* dw) {
   using TileFn = void (*)(const typename S::T*, const typename S::T*, int64_t, int64_t, int64_t, int64_t, int64_t,
                           int64_t, float*);
   static const TileFn tails[13] = {nullptr,
@@ -484,17 +484,24 @@ void WeightGradTaps(const WeightGradShape& s, const typename S::T* xbuf, const t
   // one another in dw too: one run of kw * c features, tiled without a partial tile per tap.
   const int64_t taps = s.dw == 1 ? 1 : s.kw, features = (s.dw == 1 ? s.kw : 1) * s.c;
   for (int64_t i = 0; i < s.kh; ++i) {
+    // The chunk's rows [r0, r1) whose window row i reads the input, not its padding of zeros (a same-padded 8x8
+    // convolution's first and last rows skip a window row each).
+    const int64_t base = y0 * s.sh + i * s.dh - s.pt;   // the input row output row r reads: base + r * sh
+    const int64_t r0 = base >= 0 ? 0 : (-base + s.sh - 1) / s.sh;
+    const int64_t r1 = base > s.h - 1 ? 0 : std::min(rows, (s.h - 1 - base) / s.sh + 1);
+    if (r0 >= r1) continue;
+    const typename S::T* gq = gbuf + r0 * g_row;
     for (int64_t j = 0; j < taps; ++j) {
-      const typename S::T* xk = xbuf + i * s.dh * x_row + j * s.dw * s.c * S::K;
+      const typename S::T* xk = xbuf + (i * s.dh + r0 * s.sh) * x_row + j * s.dw * s.c * S::K;
       float* dwk = dw + (i * s.kw + j) * s.c * s.op;
       for (int64_t o = 0; o < s.op; o += CBV * 16) {
         int64_t c = 0;
         for (; c + CT <= features; c += CT)
-          WeightGradTile<S, CT, CBV>(xk + c * S::K, gbuf + o * S::K, rows, s.sh * x_row, g_row, count, x_step, s.op,
+          WeightGradTile<S, CT, CBV>(xk + c * S::K, gq + o * S::K, r1 - r0, s.sh * x_row, g_row, count, x_step, s.op,
                                      dwk + c * s.op + o);
         for (; c < features;) {
           int64_t ct = std::min<int64_t>(12, features - c);
-          tails[ct](xk + c * S::K, gbuf + o * S::K, rows, s.sh * x_row, g_row, count, x_step, s.op,
+          tails[ct](xk + c * S::K, gq + o * S::K, r1 - r0, s.sh * x_row, g_row, count, x_step, s.op,
                     dwk + c * s.op + o);
           c += ct;
         }
@@ -530,7 +537,8 @@ void WeightGradChunk(const WeightGradShape& s, const uint16_t* x, const uint16_t
     }
   }
   // (the next pair of output columns is 2 * sw columns further in xbuf)
-  WeightGradTaps<Bf16DotSums, CT, CBV>(s, xbuf.data(), gbuf.data(), rows, x_row, g_row, pairs, 2 * s.sw * s.c * 2, dw);
+  WeightGradTaps<Bf16DotSums, CT, CBV>(s, xbuf.data(), gbuf.data(), y0, rows, x_row, g_row, pairs, 2 * s.sw * s.c * 2,
+                                       dw);
 }
 
 // WeightGradChunk on float32 FMAs: the chunk's padded input rows and gradient rows widened to float32.
@@ -556,7 +564,7 @@ void WeightGradChunkF32(const WeightGradShape& s, const uint16_t* x, const uint1
       }
     }
   }
-  WeightGradTaps<FmaSums, CT, CBV>(s, xbuf.data(), gbuf.data(), rows, x_row, g_row, s.ow, s.sw * s.c, dw);
+  WeightGradTaps<FmaSums, CT, CBV>(s, xbuf.data(), gbuf.data(), y0, rows, x_row, g_row, s.ow, s.sw * s.c, dw);
 }
 
 // in: [N, H, W, C] bf16, read as if padded by pt rows and pl columns of zeros before it (and zeros after it);
