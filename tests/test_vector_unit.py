@@ -139,3 +139,15 @@ def test_a_keras_dropout_layer_drops_the_same_units_as_in_plain_keras():
     got = jax.jit(rewrite.transform(dropped, vector_unit_rule()))(x, state)
     np.testing.assert_array_equal(got, want)
     assert 0.3 < float(jnp.mean(got == 0)) < 0.5
+
+
+def test_random_bits_are_hashed_once_however_many_ops_read_them():
+    # Dropout's mask read by the forward pass and, through max pooling's gradient, once per window element in the
+    # backward pass: fused into each reader, XLA would compute the 20 rounds again in each, for every element.
+    def reads_twice(seed, x, y):
+        keep = jax.random.bernoulli(seed, 0.5, x.shape)
+        return jnp.where(keep, x, 0.0), jnp.repeat(jnp.repeat(jnp.where(keep, 1.0, 0.0), 2, 1), 2, 2) * y
+
+    args = (jnp.array([1, 2], jnp.uint32), jnp.ones((4, 8, 8, 16)), jnp.ones((4, 16, 16, 16)))
+    hlo = jax.jit(rewrite.transform(reads_twice, vector_unit_rule())).lower(*args).compile().as_text()
+    assert hlo.count("constant(466688986)") == 1     # Threefry's key parity, 0x1BD11BDA: one hash in the program
