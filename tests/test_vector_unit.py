@@ -114,7 +114,9 @@ def test_random_bits_are_jaxs_own_with_the_hash_unrolled(partitionable, dtype):
         key = jax.random.key(3)
         for fun, arg in ((lambda k: jax.random.bits(k, (5, 7), dtype), key),                         # one key
                          (jax.vmap(lambda k: jax.random.bits(k, (3, 33), dtype)), jax.random.split(key, 4)),
-                         (lambda s: jax.random.bernoulli(s, 0.3, (100, 17)), jnp.array([7, 9], jnp.uint32))):
+                         (lambda s: jax.random.bernoulli(s, 0.3, (100, 17)), jnp.array([7, 9], jnp.uint32)),
+                         (lambda k: jax.random.bits(k, (0, 3), dtype), key),                         # no bits
+                         (jax.vmap(lambda k: jax.random.bits(k, (2,), dtype)), jax.random.split(key, 0))):
             routed = rewrite.transform(fun, vector_unit_rule())
             np.testing.assert_array_equal(jax.jit(routed)(arg), jax.jit(fun)(arg))
             # JAX's CPU lowering of the hash is a loop over its rounds; the rewritten program has none.
