@@ -1,7 +1,7 @@
 """Vector-unit operations that XLA:CPU runs slowly, given exact faster lowerings.
 
 A TPU core runs everything that is not a matrix product on its vector unit.
-On the simulating CPU two such ops stand out:
+On the simulating CPU three such ops stand out:
 
 * The gradient of max pooling, ``select_and_scatter_add``, which XLA:CPU
   executes element by element. For the common case of non-overlapping
@@ -28,9 +28,10 @@ On the simulating CPU two such ops stand out:
   rotate and xor). On CPU JAX lowers the hash as a loop over its five groups of
   four rounds, to compile faster; each trip writes both words of every element
   out and copies them back (two copies of a 1M-element mask per trip). Unrolled,
-  XLA computes the whole hash, and the mask from it, in one fused pass: the
-  CIFAR-10 CNN's three dropout masks took 57 of its 900 ms per training step in
-  the loops. The bits are the same, so are the masks: as in plain Keras.
+  XLA computes the whole hash in one fused pass, written out once for every op
+  that reads the bits: the CIFAR-10 CNN's three dropout masks took 57 of its
+  900 ms per training step in the loops. The bits are the same, so are the
+  masks: as in plain Keras.
 
 :func:`vector_unit_rule` is a :mod:`keras_tpu._rewrite` rule that swaps in the
 fast forms wherever they apply and leaves every other op alone.
