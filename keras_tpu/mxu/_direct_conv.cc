@@ -348,7 +348,6 @@ void FewOutputs(ffi::ThreadPool& pool, const ForwardShape& f, const uint16_t* x,
   constexpr int PB = CO == 1 ? 16 : 24 / CO;
   constexpr int64_t lanes = 16 * S::K;
   const int64_t cp = (f.c + lanes - 1) / lanes * lanes;
-  const int64_t cols = (f.ow - 1) * f.sw + (f.kw - 1) * f.dw + 1;
   // A partial tile at a row's end reads PB columns and keeps the valid ones: the buffer has room for them.
   const int64_t buffer_cols = ((f.ow + PB - 1) / PB * PB - 1) * f.sw + (f.kw - 1) * f.dw + 1;
   // Without dilation a window row's taps read one run of kw * cp features (and its weights lie so too).
