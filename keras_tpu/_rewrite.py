@@ -1,7 +1,10 @@
 """Rewriting JAX programs: replace chosen operations everywhere in a traced function.
 
 A *rule* looks at one jaxpr equation and returns a replacement equation of
-the same type (same operands and results), or ``None`` to keep it. The
+the same type (same operands and results), or ``None`` to keep it. A rule
+may also have a ``fold``, ``fold(eqns, outvars) -> eqns``, which sees each
+jaxpr's equations together before the rule sees them one by one (where a
+replacement depends on what produced an operand). The
 rewrite reaches every nested program: ``jit`` calls, ``scan``/``while``
 bodies, ``cond`` branches, ``remat``, ``shard_map``, and the primal, JVP,
 forward and backward functions of ``custom_jvp``/``custom_vjp``. Because the
@@ -38,13 +41,21 @@ _OPAQUE_PRIMITIVES = {"pallas_call", "custom_call"}
 
 
 def compose(*rules):
-    """A rule that tries ``rules`` in order and uses the first replacement."""
+    """A rule that tries ``rules`` in order and uses the first replacement (their folds, too, in order)."""
     def composed(eqn):
         for rule in rules:
             replacement = rule(eqn)
             if replacement is not None:
                 return replacement
         return None
+
+    folds = [rule.fold for rule in rules if getattr(rule, "fold", None) is not None]
+    if folds:
+        def fold(eqns, outvars):
+            for one in folds:
+                eqns = one(eqns, outvars)
+            return eqns
+        composed.fold = fold
     return composed
 
 
@@ -129,6 +140,9 @@ class _Rewriter:
         key = id(jaxpr)
         if key not in self._memo:
             eqns = fold_summed_batch_products(jaxpr)
+            fold = getattr(self.rule, "fold", None)
+            if fold is not None:
+                eqns = fold(eqns, jaxpr.outvars)
             self._memo[key] = (jaxpr, jaxpr.replace(eqns=[self.eqn(e) for e in eqns]))
         return self._memo[key][1]
 

@@ -125,9 +125,9 @@ def test_covered_convolutions_and_their_gradients_run_on_the_kernels_exactly(rng
 @pytest.mark.parametrize("case", ["same_odd_features", "thirty_two", "atrous", "asymmetric_padding"])
 def test_the_kernels_take_their_operands_as_xla_holds_them(rng, case):
     # Padding, an odd number of input features, output features that are no multiple of 16 and the input
-    # gradient's swapped window are the kernels' own: XLA writes no padded, reordered or sliced copy of an
-    # operand or a result, only the bf16 casts (ResNet-20's training program compiled in 4.0 s with such
-    # copies, 3.1 s without).
+    # gradient's swapped and reversed window are the kernels' own: XLA writes no padded, reordered, reversed or
+    # sliced copy of an operand or a result, only the bf16 casts (ResNet-20's training program compiled in 4.0 s
+    # with such copies, 3.1 s without).
     lhs_shape, rhs_shape, kwargs, _ = CASES[case]
     op = _conv(kwargs)
     a, b = rng.standard_normal(lhs_shape).astype(np.float32), rng.standard_normal(rhs_shape).astype(np.float32)
@@ -135,7 +135,7 @@ def test_the_kernels_take_their_operands_as_xla_holds_them(rng, case):
     program = jax.jit(mxu.route(_value_and_grads(op, c))).lower(a, b).compile().as_text()
     assert program.count(f'custom_call_target="{FORWARD}"') == 2
     assert program.count(f'custom_call_target="{WEIGHT_GRAD}"') == 1
-    for copying in (" pad(", " slice(", " transpose(", " copy("):
+    for copying in (" pad(", " slice(", " transpose(", " copy(", " reverse("):
         assert copying not in program, copying
 
 

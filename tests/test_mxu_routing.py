@@ -134,3 +134,29 @@ def test_keyword_arguments_and_pytrees(operands):
     f = lambda params, x, scale=1.0: {"y": (x @ params["w"]) * scale}
     out = mxu.route(f, "highest")({"w": w}, x=x, scale=2.0)
     np.testing.assert_allclose(out["y"], 2 * (x @ w), rtol=1e-5, atol=1e-6)
+
+
+def test_a_reversed_window_is_read_by_the_mxu_op_itself_under_grad_and_vmap(rng):
+    # Autodiff's input gradient of a convolution reverses the window: the routed op reads it unreversed (no rev
+    # left in the program), and differentiating or vmapping that op computes what the plain program does. Small
+    # integers: every product and sum is exact, so the MXU's rounding changes nothing.
+    dn = ("NHWC", "HWIO", "NHWC")
+    conv = lambda x, w: lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dn)
+    x = rng.integers(-3, 4, (2, 6, 5, 3)).astype(np.float32)
+    w = rng.integers(-3, 4, (3, 2, 3, 4)).astype(np.float32)
+    c = rng.integers(-3, 4, (2, 6, 5, 4)).astype(np.float32)
+    input_grad = lambda x, w: jax.grad(lambda x: jnp.sum(conv(x, w) * c))(x)
+
+    closed = jax.make_jaxpr(mxu.route(input_grad))(x, w)
+    reversed_windows = rewrite.walk(closed, lambda e: e.primitive is mxu_conv_p and e.params.get("window_reversed"))
+    assert len(reversed_windows) == 1
+    assert not rewrite.walk(closed, lambda e: e.primitive is lax.rev_p)
+    np.testing.assert_array_equal(jax.jit(mxu.route(input_grad))(x, w), input_grad(x, w))
+
+    # The op's own transpose (a second derivative, through the kernel) and batching rules.
+    second = lambda x, w: jax.grad(lambda w: jnp.sum(mxu.route(input_grad)(x, w) ** 2))(w)
+    plain_second = lambda x, w: jax.grad(lambda w: jnp.sum(input_grad(x, w) ** 2))(w)
+    np.testing.assert_array_equal(jax.jit(second)(x, w), plain_second(x, w))
+    batched = jax.vmap(mxu.route(input_grad), in_axes=(0, None))
+    np.testing.assert_array_equal(jax.jit(batched)(np.stack([x, -x]), w), jax.vmap(input_grad, (0, None))(
+        np.stack([x, -x]), w))

@@ -7,7 +7,7 @@
 //
 // * MxuConvForward: out[n, y, x, o] = sum_{i, j, c} in[n, y*sh + i*dh - pt, x*sw + j*dw - pl, c] w[i, j, c, o],
 //   zeros outside the input. The input gradient of a stride-1 convolution is one too (its window given as
-//   [KH][KW][O][C], io_swapped).
+//   [KH][KW][O][C], io_swapped, and read back to front, flipped).
 // * MxuConvWeightGrad: dw[i, j, c, o] = sum_{n, y, x} in[n, y*sh + i*dh - pt, x*sw + j*dw - pl, c] g[n, y, x, o].
 //
 // The instruction sums products in pairs along the contraction, so its operands are interleaved in pairs:
@@ -242,10 +242,12 @@ void ForwardRow(const typename S::T* in, int64_t in_row, int64_t sw, int64_t cp,
 
 // A convolution's geometry as the forward kernels see it (see ForwardImpl).
 struct ForwardShape {
-  int64_t n, h, w, c, kh, kw, co, oh, ow, sh, sw, dh, dw, pt, pl, io_swapped;
-  // The window's weight of tap (i, j), input feature ci, output feature o, from XLA's HWIO (or HWOI) array.
+  int64_t n, h, w, c, kh, kw, co, oh, ow, sh, sw, dh, dw, pt, pl, io_swapped, flipped;
+  // The window's weight of tap (i, j), input feature ci, output feature o, from XLA's HWIO (or HWOI) array;
+  // `flipped`: the array holds the window back to front in both spatial dimensions (the input gradient's
+  // window is the forward one reversed: read so, XLA writes no reversed copy of each kernel).
   int64_t WeightIndex(int64_t i, int64_t j, int64_t ci, int64_t o) const {
-    const int64_t t = i * kw + j;
+    const int64_t t = flipped ? (kh - 1 - i) * kw + (kw - 1 - j) : i * kw + j;
     return io_swapped ? (t * co + o) * c + ci : (t * c + ci) * co + o;
   }
   // The window rows [i0, i1) of output row `row` that read rows of the input, not its zero padding (i0 >= i1:
@@ -379,16 +381,17 @@ void FewOutputs(ffi::ThreadPool& pool, const ForwardShape& f, const uint16_t* x,
   });
 }
 
-// in: [N, H, W, C] bf16; w: [KH, KW, C, O] bf16, or [KH, KW, O, C] with io_swapped; out: [N, OH, OW, O] f32.
+// in: [N, H, W, C] bf16; w: [KH, KW, C, O] bf16, or [KH, KW, O, C] with io_swapped, either reversed in KH and KW
+// with flipped; out: [N, OH, OW, O] f32.
 // The input is read as if padded by pt rows and pl columns of zeros before it (and zeros after it).
 ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> in, ffi::Buffer<ffi::BF16> w,
                        ffi::ResultBuffer<ffi::F32> out, int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt,
-                       int64_t pl, int64_t io_swapped, int64_t fma) {
+                       int64_t pl, int64_t io_swapped, int64_t flipped, int64_t fma) {
   auto xd = in.dimensions(), wd = w.dimensions(), od = out->dimensions();
   if (xd.size() != 4 || wd.size() != 4 || od.size() != 4)
     return ffi::Error::InvalidArgument("MxuConvForward: operands of rank 4 expected");
   const ForwardShape f{xd[0], xd[1], xd[2], xd[3], wd[0], wd[1], io_swapped ? wd[2] : wd[3], od[1], od[2],
-                       sh, sw, dh, dw, pt, pl, io_swapped};
+                       sh, sw, dh, dw, pt, pl, io_swapped, flipped};
   if ((io_swapped ? wd[3] : wd[2]) != f.c || od[0] != f.n || od[3] != f.co || sh < 1 || sw < 1 || dh < 1 || dw < 1)
     return ffi::Error::InvalidArgument("MxuConvForward: shapes do not match");
   float* y = out->typed_data();
@@ -666,6 +669,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MxuConvForward, ForwardImpl,
                                   .Attr<int64_t>("pt")
                                   .Attr<int64_t>("pl")
                                   .Attr<int64_t>("io_swapped")
+                                  .Attr<int64_t>("flipped")
                                   .Attr<int64_t>("fma"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MxuConvWeightGrad, WeightGradImpl,

@@ -171,14 +171,15 @@ def _output_size(size, window, strides, padding, dilation):
                  for n, k, s, (lo, hi), d in zip(size, window, strides, padding, dilation))
 
 
-def _forward(x, w, strides, padding, dilation=(1, 1), io_swapped=False):
+def _forward(x, w, strides, padding, dilation=(1, 1), io_swapped=False, flipped=False):
     """``out[n, y, x, o] = sum x[n, y*sh + i*dh - pad, x*sw + j*dw - pad, c] w[i, j, c, o]``; x NHWC, w HWIO
-    (HWOI with ``io_swapped``). The kernel pads the input and packs the weights itself: no padded copy of the
-    activations, no rearranged weights for XLA to write (or to generate code for)."""
+    (HWOI with ``io_swapped``; ``flipped``: ``w`` holds the window reversed in both spatial dimensions, read back
+    to front). The kernel pads the input and packs the weights itself: no padded copy of the activations, no
+    rearranged or reversed weights for XLA to write (or to generate code for)."""
     co = w.shape[2] if io_swapped else w.shape[3]
     oh, ow = _output_size(x.shape[1:3], w.shape[:2], strides, padding, dilation)
     return jax.ffi.ffi_call(_FORWARD, jax.ShapeDtypeStruct((x.shape[0], oh, ow, co), jnp.float32))(
-        x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), io_swapped=np.int64(io_swapped),
+        x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), io_swapped=np.int64(io_swapped), flipped=np.int64(flipped),
         **_attributes(strides, dilation, padding))
 
 
@@ -230,7 +231,7 @@ def _dilated(x, w, dilation, padding, out_size, convolve):
 
 
 def direct_conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
-                feature_group_count, batch_group_count):
+                feature_group_count, batch_group_count, window_reversed=False):
     """``conv_general_dilated`` of bf16-valued operands on the direct kernels (float32 result), or ``None``.
 
     Any ``conv_general_dilated`` is ``out[b, y, o] = sum over f, k of lhs[b,
@@ -246,6 +247,9 @@ def direct_conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, d
     convolution, its kernel gradient, the input gradient of a strided one)
     only at stride 1 without rhs dilation, one residue of the dilation at a
     time, never multiplying the dilation's zeros; ``None`` for anything else.
+    ``window_reversed``: the convolution's window is ``rhs`` reversed in its
+    spatial dimensions (autodiff's input gradient reverses the forward
+    window), which the forward kernel reads back to front.
 
     Example:
         >>> x, w = jnp.ones((2, 5, 5, 3)), jnp.ones((3, 3, 3, 16))
@@ -274,6 +278,8 @@ def direct_conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, d
     out_size = [(p - (k - 1) * d - 1) // s + 1 for p, k, d, s in zip(padded, window, rhs_dilation, window_strides)]
     if min(out_size) < 1:
         return None
+    if window_reversed and (any(d != 1 for d in lhs_dilation) or math.prod(window) > math.prod(out_size)):
+        rhs = lax.rev(rhs, (0, 1))       # only the forward kernel reads a window reversed
     if any(d != 1 for d in lhs_dilation):
         if any(d != 1 for d in (*window_strides, *rhs_dilation)):
             return None
@@ -287,9 +293,9 @@ def direct_conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, d
         out = _weight_grad(examples_first, jnp.moveaxis(rhs, 2, 0), out_size, rhs_dilation, pad, window_strides)
         out = jnp.moveaxis(out, 2, 0)                                            # b, spatial..., o
     elif io_swapped:
-        out = _forward(lhs, as_given, window_strides, pad, rhs_dilation, io_swapped=True)
+        out = _forward(lhs, as_given, window_strides, pad, rhs_dilation, io_swapped=True, flipped=window_reversed)
     else:
-        out = _forward(lhs, rhs, window_strides, pad, rhs_dilation)              # b, spatial..., o
+        out = _forward(lhs, rhs, window_strides, pad, rhs_dilation, flipped=window_reversed)   # b, spatial..., o
     if spatial == 1:
         out = out[:, 0]
     order = (ospec[0],) + tuple(ospec[2:]) + (ospec[1],)      # the axes of ``out``, as dimension_numbers numbers them

@@ -1130,18 +1130,22 @@ def conv_dot_pass(lhs, rhs, out_shape, dimension_numbers, as_dot, form):
     return _transpose(canonical, perm).reshape(out_shape)
 
 
-def conv_pass(lhs, rhs, geometry, form):
+def conv_pass(lhs, rhs, geometry, form, window_reversed=False):
     """One MXU pass of ``conv_general_dilated`` on bfloat16-valued operands; float32 result.
 
     ``geometry``: the primitive's window_strides, padding, lhs_dilation,
     rhs_dilation, dimension_numbers (a ``ConvDimensionNumbers``),
-    feature_group_count and batch_group_count.
+    feature_group_count and batch_group_count. ``window_reversed``: the
+    convolution's window is ``rhs`` reversed in its spatial dimensions (the
+    direct kernels read it so; the other forms reverse it first).
     """
     if form == BF16_DIRECT:
-        out = direct.direct_conv(lhs, rhs, **geometry)
+        out = direct.direct_conv(lhs, rhs, **geometry, window_reversed=window_reversed)
         if out is not None:
             return out
         form = ROUND_F32   # not a convolution the direct kernels cover
+    if window_reversed:
+        rhs = lax.rev(rhs, tuple(geometry["dimension_numbers"].rhs_spec[2:]))
     if form in (TAPS, OUTPUT_TAPS):
         summed = _taps_conv if form == TAPS else _output_taps_conv
         out = summed(lhs.astype(jnp.float32), rhs.astype(jnp.float32), **geometry)
