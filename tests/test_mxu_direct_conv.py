@@ -39,6 +39,11 @@ CASES = {
                                                    dimension_numbers=("NHWC", "HWIO", "NHWC")), (2, 1)),
     "thirty_two": ((3, 8, 8, 32), (3, 3, 32, 32), dict(window_strides=(1, 1), padding="SAME",
                                                        dimension_numbers=("NHWC", "HWIO", "NHWC")), (2, 1)),
+    # Rows split into even tiles of columns: 30 columns of 16 outputs as 15 + 15, 14 of 64 as 5 + 5 + 4 (16 + 1).
+    "long_rows": ((2, 4, 30, 16), (3, 3, 16, 16), dict(window_strides=(1, 1), padding="SAME",
+                                                       dimension_numbers=("NHWC", "HWIO", "NHWC")), (2, 1)),
+    "fourteen_columns": ((2, 5, 16, 64), (3, 3, 64, 64), dict(window_strides=(1, 1), padding="VALID",
+                                                              dimension_numbers=("NHWC", "HWIO", "NHWC")), (2, 1)),
     # A strided convolution's input gradient dilates its lhs: one forward call per residue of the stride.
     "strided": ((2, 11, 9, 6), (3, 2, 6, 33), dict(window_strides=(2, 1), padding="VALID",
                                                    dimension_numbers=("NHWC", "HWIO", "NHWC")), (3, 1)),
