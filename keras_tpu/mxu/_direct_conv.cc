@@ -247,6 +247,9 @@ void ForwardRow(const typename S::T* in, int64_t in_row, int64_t sw, int64_t cp,
   }
 }
 
+// Products per work item of the forward kernels (see ForwardOnTiles).
+constexpr int64_t kItemProducts = int64_t(1) << 19;
+
 // A convolution's geometry as the forward kernels see it (see ForwardImpl).
 struct ForwardShape {
   int64_t n, h, w, c, kh, kw, co, oh, ow, sh, sw, dh, dw, pt, pl, io_swapped, flipped;
@@ -268,8 +271,8 @@ struct ForwardShape {
 };
 
 // out = the convolution on the tiles of S: weights packed once per call as [KH][KW][CP/K][OP][K] (CP: c rounded
-// up to K, OP: co to 16, the extra ones zero), each output row's input rows copied with their padding into a
-// buffer of the work item's own.
+// up to K, OP: co to 16, the extra ones zero), the input rows a block of output rows reads copied with their padding
+// into a buffer of the work item's own.
 template <typename S>
 void ForwardOnTiles(ffi::ThreadPool& pool, const ForwardShape& f, const uint16_t* x, const uint16_t* wt, float* y) {
   using T = typename S::T;
@@ -282,33 +285,43 @@ void ForwardOnTiles(ffi::ThreadPool& pool, const ForwardShape& f, const uint16_t
         for (int64_t o = 0; o < f.co; ++o)
           packed[(((i * f.kw + j) * (cp / S::K) + ci / S::K) * op + o) * S::K + ci % S::K] =
               S::Value(wt[f.WeightIndex(i, j, ci, o)]);
-  ParallelFor(pool, f.n * f.oh, PoolThreads(pool), [&](int64_t r, int64_t) {
+  // A work item is a block of output rows of one image, about kItemProducts products (at least 4 items per thread):
+  // one row of a 16-feature layer (32x32x16 -> 16: 74 K products) left the claiming of items and the copying of
+  // rows a noticeable part of the work, and a block copies the input rows its outputs share once.
+  const int64_t threads = PoolThreads(pool);
+  const int64_t row_products = f.ow * op * f.kh * f.kw * cp;
+  int64_t block = std::max<int64_t>(1, std::min<int64_t>(f.oh, kItemProducts / std::max<int64_t>(1, row_products)));
+  while (block > 1 && f.n * ((f.oh + block - 1) / block) < 4 * threads) block = (block + 1) / 2;
+  const int64_t per_image = (f.oh + block - 1) / block;
+  ParallelFor(pool, f.n * per_image, threads, [&](int64_t item, int64_t) {
     thread_local AlignedBuffer<T> rows;
     thread_local std::vector<float> padded_out;
-    const int64_t b = r / f.oh, row = r % f.oh;
-    float* yr = y + r * f.ow * f.co;
-    int64_t i0, i1;
-    f.RowsRead(row, i0, i1);
-    if (i0 >= i1) {
-      std::memset(yr, 0, f.ow * f.co * sizeof(float));
-      return;
+    const int64_t b = item / per_image, r0 = (item % per_image) * block, r1 = std::min(f.oh, r0 + block);
+    // The padded input rows the block's windows read, from its first output row's first window row.
+    const int64_t span = (r1 - 1 - r0) * f.sh + (f.kh - 1) * f.dh + 1;
+    rows.resize(span * cols * cp);
+    for (int64_t q = 0; q < span; ++q)
+      PaddedRow<S>(x + b * f.h * f.w * f.c, f.h, f.w, f.c, f.pt, f.pl, r0 * f.sh + q, cols, cp,
+                   rows.data() + q * cols * cp);
+    if (op != f.co) padded_out.resize(f.ow * op);
+    for (int64_t row = r0; row < r1; ++row) {
+      float* yr = y + (b * f.oh + row) * f.ow * f.co;
+      int64_t i0, i1;
+      f.RowsRead(row, i0, i1);
+      if (i0 >= i1) {
+        std::memset(yr, 0, f.ow * f.co * sizeof(float));
+        continue;
+      }
+      float* dst = op != f.co ? padded_out.data() : yr;
+      const T* in = rows.data() + ((row - r0) * f.sh + i0 * f.dh) * cols * cp;   // window row i0
+      const T* w = packed.data() + i0 * f.kw * cp * op;
+      const int64_t in_row = f.dh * cols * cp, taps = i1 - i0;
+      if (op % 64 == 0) ForwardRow<S, 4, 6>(in, in_row, f.sw, cp, f.dw, w, taps, f.kw, op, dst, f.ow);
+      else if (op % 32 == 0) ForwardRow<S, 2, 12>(in, in_row, f.sw, cp, f.dw, w, taps, f.kw, op, dst, f.ow);
+      else ForwardRow<S, 1, 24>(in, in_row, f.sw, cp, f.dw, w, taps, f.kw, op, dst, f.ow);
+      if (op != f.co)
+        for (int64_t q = 0; q < f.ow; ++q) std::memcpy(yr + q * f.co, dst + q * op, f.co * sizeof(float));
     }
-    rows.resize((i1 - i0) * cols * cp);
-    for (int64_t i = i0; i < i1; ++i)
-      PaddedRow<S>(x + b * f.h * f.w * f.c, f.h, f.w, f.c, f.pt, f.pl, row * f.sh + i * f.dh, cols, cp,
-                   rows.data() + (i - i0) * cols * cp);
-    float* dst = yr;
-    if (op != f.co) {
-      padded_out.resize(f.ow * op);
-      dst = padded_out.data();
-    }
-    const T* w = packed.data() + i0 * f.kw * cp * op;
-    const int64_t taps = i1 - i0;
-    if (op % 64 == 0) ForwardRow<S, 4, 6>(rows.data(), cols * cp, f.sw, cp, f.dw, w, taps, f.kw, op, dst, f.ow);
-    else if (op % 32 == 0) ForwardRow<S, 2, 12>(rows.data(), cols * cp, f.sw, cp, f.dw, w, taps, f.kw, op, dst, f.ow);
-    else ForwardRow<S, 1, 24>(rows.data(), cols * cp, f.sw, cp, f.dw, w, taps, f.kw, op, dst, f.ow);
-    if (op != f.co)
-      for (int64_t q = 0; q < f.ow; ++q) std::memcpy(yr + q * f.co, dst + q * op, f.co * sizeof(float));
   });
 }
 
