@@ -270,6 +270,38 @@ struct ForwardShape {
   }
 };
 
+// row_fn(in, in_row, i0, i1, out) for every output row of the convolution that reads the input (the others are
+// zeros): `in` points at the row's window row i0 (of the window rows [i0, i1) that fall on the input) in a buffer
+// of padded input rows, `cols` columns of `cp` features each, in_row elements apart; `out` at the row's outputs.
+// A work item is a block of output rows of one image of about kItemProducts products (`row_products` per row; at
+// least 4 items per thread), whose input rows are copied once: one row of a 16-feature layer (32x32x16 -> 16: 74 K
+// products) left the claiming of items and the copying of rows a noticeable part of the work.
+template <typename S, typename RowFn>
+void OnRowBlocks(ffi::ThreadPool& pool, const ForwardShape& f, const uint16_t* x, int64_t cols, int64_t cp,
+                 int64_t row_products, float* y, const RowFn& row_fn) {
+  const int64_t threads = PoolThreads(pool);
+  int64_t block = std::max<int64_t>(1, std::min<int64_t>(f.oh, kItemProducts / std::max<int64_t>(1, row_products)));
+  while (block > 1 && f.n * ((f.oh + block - 1) / block) < 4 * threads) block = (block + 1) / 2;
+  const int64_t per_image = (f.oh + block - 1) / block;
+  ParallelFor(pool, f.n * per_image, threads, [&](int64_t item, int64_t) {
+    thread_local AlignedBuffer<typename S::T> rows;
+    const int64_t b = item / per_image, r0 = (item % per_image) * block, r1 = std::min(f.oh, r0 + block);
+    // The padded input rows the block's windows read, from its first output row's first window row.
+    const int64_t span = (r1 - 1 - r0) * f.sh + (f.kh - 1) * f.dh + 1;
+    rows.resize(span * cols * cp);
+    for (int64_t q = 0; q < span; ++q)
+      PaddedRow<S>(x + b * f.h * f.w * f.c, f.h, f.w, f.c, f.pt, f.pl, r0 * f.sh + q, cols, cp,
+                   rows.data() + q * cols * cp);
+    for (int64_t row = r0; row < r1; ++row) {
+      float* out = y + (b * f.oh + row) * f.ow * f.co;
+      int64_t i0, i1;
+      f.RowsRead(row, i0, i1);
+      if (i0 >= i1) std::memset(out, 0, f.ow * f.co * sizeof(float));
+      else row_fn(rows.data() + ((row - r0) * f.sh + i0 * f.dh) * cols * cp, f.dh * cols * cp, i0, i1, out);
+    }
+  });
+}
+
 // out = the convolution on the tiles of S: weights packed once per call as [KH][KW][CP/K][OP][K] (CP: c rounded
 // up to K, OP: co to 16, the extra ones zero), the input rows a block of output rows reads copied with their padding
 // into a buffer of the work item's own.
@@ -285,43 +317,20 @@ void ForwardOnTiles(ffi::ThreadPool& pool, const ForwardShape& f, const uint16_t
         for (int64_t o = 0; o < f.co; ++o)
           packed[(((i * f.kw + j) * (cp / S::K) + ci / S::K) * op + o) * S::K + ci % S::K] =
               S::Value(wt[f.WeightIndex(i, j, ci, o)]);
-  // A work item is a block of output rows of one image, about kItemProducts products (at least 4 items per thread):
-  // one row of a 16-feature layer (32x32x16 -> 16: 74 K products) left the claiming of items and the copying of
-  // rows a noticeable part of the work, and a block copies the input rows its outputs share once.
-  const int64_t threads = PoolThreads(pool);
-  const int64_t row_products = f.ow * op * f.kh * f.kw * cp;
-  int64_t block = std::max<int64_t>(1, std::min<int64_t>(f.oh, kItemProducts / std::max<int64_t>(1, row_products)));
-  while (block > 1 && f.n * ((f.oh + block - 1) / block) < 4 * threads) block = (block + 1) / 2;
-  const int64_t per_image = (f.oh + block - 1) / block;
-  ParallelFor(pool, f.n * per_image, threads, [&](int64_t item, int64_t) {
-    thread_local AlignedBuffer<T> rows;
+  OnRowBlocks<S>(pool, f, x, cols, cp, f.ow * op * f.kh * f.kw * cp, y,
+                 [&](const T* in, int64_t in_row, int64_t i0, int64_t i1, float* out) {
     thread_local std::vector<float> padded_out;
-    const int64_t b = item / per_image, r0 = (item % per_image) * block, r1 = std::min(f.oh, r0 + block);
-    // The padded input rows the block's windows read, from its first output row's first window row.
-    const int64_t span = (r1 - 1 - r0) * f.sh + (f.kh - 1) * f.dh + 1;
-    rows.resize(span * cols * cp);
-    for (int64_t q = 0; q < span; ++q)
-      PaddedRow<S>(x + b * f.h * f.w * f.c, f.h, f.w, f.c, f.pt, f.pl, r0 * f.sh + q, cols, cp,
-                   rows.data() + q * cols * cp);
-    if (op != f.co) padded_out.resize(f.ow * op);
-    for (int64_t row = r0; row < r1; ++row) {
-      float* yr = y + (b * f.oh + row) * f.ow * f.co;
-      int64_t i0, i1;
-      f.RowsRead(row, i0, i1);
-      if (i0 >= i1) {
-        std::memset(yr, 0, f.ow * f.co * sizeof(float));
-        continue;
-      }
-      float* dst = op != f.co ? padded_out.data() : yr;
-      const T* in = rows.data() + ((row - r0) * f.sh + i0 * f.dh) * cols * cp;   // window row i0
-      const T* w = packed.data() + i0 * f.kw * cp * op;
-      const int64_t in_row = f.dh * cols * cp, taps = i1 - i0;
-      if (op % 64 == 0) ForwardRow<S, 4, 6>(in, in_row, f.sw, cp, f.dw, w, taps, f.kw, op, dst, f.ow);
-      else if (op % 32 == 0) ForwardRow<S, 2, 12>(in, in_row, f.sw, cp, f.dw, w, taps, f.kw, op, dst, f.ow);
-      else ForwardRow<S, 1, 24>(in, in_row, f.sw, cp, f.dw, w, taps, f.kw, op, dst, f.ow);
-      if (op != f.co)
-        for (int64_t q = 0; q < f.ow; ++q) std::memcpy(yr + q * f.co, dst + q * op, f.co * sizeof(float));
+    float* dst = out;
+    if (op != f.co) {
+      padded_out.resize(f.ow * op);
+      dst = padded_out.data();
     }
+    const T* w = packed.data() + i0 * f.kw * cp * op;
+    if (op % 64 == 0) ForwardRow<S, 4, 6>(in, in_row, f.sw, cp, f.dw, w, i1 - i0, f.kw, op, dst, f.ow);
+    else if (op % 32 == 0) ForwardRow<S, 2, 12>(in, in_row, f.sw, cp, f.dw, w, i1 - i0, f.kw, op, dst, f.ow);
+    else ForwardRow<S, 1, 24>(in, in_row, f.sw, cp, f.dw, w, i1 - i0, f.kw, op, dst, f.ow);
+    if (op != f.co)
+      for (int64_t q = 0; q < f.ow; ++q) std::memcpy(out + q * f.co, dst + q * op, f.co * sizeof(float));
   });
 }
 
@@ -380,24 +389,12 @@ void FewOutputs(ffi::ThreadPool& pool, const ForwardShape& f, const uint16_t* x,
       for (int64_t j = 0; j < f.kw; ++j)
         for (int64_t ci = 0; ci < f.c; ++ci)
           packed[((i * CO + o) * f.kw + j) * cp + ci] = S::Value(wt[f.WeightIndex(i, j, ci, o)]);
-  ParallelFor(pool, f.n * f.oh, PoolThreads(pool), [&](int64_t r, int64_t) {
-    thread_local AlignedBuffer<T> rows;
-    const int64_t b = r / f.oh, row = r % f.oh;
-    float* yr = y + r * f.ow * CO;
-    int64_t i0, i1;
-    f.RowsRead(row, i0, i1);
-    if (i0 >= i1) {
-      std::memset(yr, 0, f.ow * CO * sizeof(float));
-      return;
-    }
-    rows.resize((i1 - i0) * buffer_cols * cp);
-    for (int64_t i = i0; i < i1; ++i)
-      PaddedRow<S>(x + b * f.h * f.w * f.c, f.h, f.w, f.c, f.pt, f.pl, row * f.sh + i * f.dh, buffer_cols, cp,
-                   rows.data() + (i - i0) * buffer_cols * cp);
+  OnRowBlocks<S>(pool, f, x, buffer_cols, cp, f.ow * CO * f.kh * f.kw * cp, y,
+                 [&](const T* in, int64_t in_row, int64_t i0, int64_t i1, float* out) {
     const T* w = packed.data() + i0 * CO * f.kw * cp;
     for (int64_t q = 0; q < f.ow; q += PB)
-      FewOutputsTile<S, CO, PB>(rows.data() + q * f.sw * cp, buffer_cols * cp, f.sw * cp, f.dw * cp, w, run,
-                                i1 - i0, runs, run / lanes, yr + q * CO, std::min<int64_t>(PB, f.ow - q));
+      FewOutputsTile<S, CO, PB>(in + q * f.sw * cp, in_row, f.sw * cp, f.dw * cp, w, run, i1 - i0, runs,
+                                run / lanes, out + q * CO, std::min<int64_t>(PB, f.ow - q));
   });
 }
 
