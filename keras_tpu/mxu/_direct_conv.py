@@ -79,7 +79,7 @@ def _compile(compiler):
     else:
         raise OSError(f"No writable directory for the compiled kernels among {cache_directories('kernels')}.")
     os.close(fd)
-    logger.info("keras-tpu: compiling its MXU convolution kernels for this host (once; a few seconds) into %s",
+    logger.info("keras-tpu: compiling its MXU convolution kernels for this host (once; about 15 s on 2 cores) into %s",
                 directory)
     # Built under a name of its own and renamed into place: a process that loads it never sees half a file.
     try:
