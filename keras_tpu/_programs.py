@@ -195,10 +195,10 @@ class Program:
         self.layout = builder.layout
         # Default-precision products read bfloat16 copies of the weights they multiply (see
         # keras_tpu._rounded_weights), passed after the state. Evaluation and prediction do not change the weights:
-        # their copies are made once per state. A training step changes them: where its products have few rows
-        # (keras_tpu._rounded_weights.TRAINING_COPIES_BELOW_ROWS) it returns the copies of the weights it wrote,
-        # rounded in the optimizer update's own pass, for the next step to read (forward products and input
-        # gradients alike), instead of rounding every weight again in each of its products.
+        # their copies are made once per state. A training step changes them: where its products have few rows, or
+        # its copies are float32 (keras_tpu._rounded_weights.TRAINING_COPIES_BELOW_ROWS), it returns the copies of
+        # the weights it wrote, rounded in the optimizer update's own pass, for the next step to read (forward
+        # products and input gradients alike), instead of rounding every weight again in each of its products.
         self.rounds_weights = builder.on_mxu and builder.precision is Precision.DEFAULT
         self._readings = {}  # form -> the device step reading weight copies (see _reading)
         self._jitted = {}  # (reads copies, form) -> the jitted program (see _program)
@@ -237,8 +237,8 @@ class Program:
         if not self.rounds_weights:
             return None
         if form not in self._readings:
-            self._readings[form] = _rounded_weights.reading_rounded_weights(self._device_step(form),
-                                                                            self.builder.precision)
+            self._readings[form] = _rounded_weights.reading_rounded_weights(
+                self._device_step(form), self.builder.precision, training=self.mode == "train")
         return self._readings[form]
 
     def _program(self, copies, form):
@@ -318,8 +318,7 @@ class Program:
         the weights: they are rounded once per set of weights.
         """
         self._reads_copies, read, dtypes = self._reading(form).copies_to_make(
-            *self.layout.device_shapes(args, (REPLICATED,) + self.ARGUMENT_SPECS[1:]),
-            training=self.mode == "train", axis_env=self.layout.axis_env())
+            *self.layout.device_shapes(args, (REPLICATED,) + self.ARGUMENT_SPECS[1:]), axis_env=self.layout.axis_env())
         self._copies.for_weights(jax.tree.leaves(args[0][0]), read, dtypes)
 
     def _run(self, executable, args):

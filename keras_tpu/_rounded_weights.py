@@ -24,10 +24,12 @@ operands rounded per call against 133 us on a bfloat16 copy, and plain
 float32 in 163 us (``lax.dot_general`` alone, an AMD EPYC whose native bf16
 products are fast). A host whose products multiply float32 operands (the
 ``round_f32`` form; an Intel Xeon measured so) would convert a bfloat16 copy
-back to float32 in every call: there a product of few rows reads a float32
-copy holding the bfloat16 values (:data:`FLOAT32_COPIES_BELOW_ROWS`), which
-the MXU product is told needs no rounding (the MLP's training step 1.67 ->
-1.39 ms, plain Keras 1.38; its evaluation 0.77 -> 0.59 ms).
+back to float32 in every call: there a weight's copy is a float32 array
+holding the bfloat16 values (within :data:`FLOAT32_COPIES_MAX_BYTES`), which
+the MXU product is told needs no rounding (keras.io's MLP at batch 32: its
+training step 1.67 -> 1.39 ms, plain Keras 1.38; its evaluation 0.77 -> 0.59
+ms), and a training step reads such copies at any number of rows (see
+:data:`TRAINING_COPIES_BELOW_ROWS`).
 """
 
 import math
@@ -44,22 +46,26 @@ from keras_tpu.mxu import _kernels as kernels
 from keras_tpu.mxu._numerics import Precision, canonical_precision, op_precision, round_to_bfloat16
 from keras_tpu.mxu._primitives import dot_form, reading_bf16_valued
 
-#: A training program's products read bfloat16 copies of the weights, which each step returns of the weights it
-#: wrote, when its products reading weights have fewer rows than this; with more rows it rounds each weight in
-#: every product, as the rounding is then a small part of the products' work and the copies' extra writes cost as
-#: much. In-process A/B, copies against rounding in every product: keras.io's MLP at batch 32 (32 rows) 1.13-1.15x
-#: faster, the zoo's Transformer (16384 rows) 1.02x, the zoo's MLP at batch 1024 0.95-0.99x.
+#: A training program's products read the copies of the weights that each step returns of the weights it wrote
+#: when its products reading weights have fewer rows than this; with more rows it rounds each weight in every
+#: product, as the rounding is then a small part of the products' work and writing a bfloat16 copy costs as
+#: much. In-process A/B, copies against rounding in every product: keras.io's MLP at batch 32 (32 rows)
+#: 1.13-1.15x faster, the zoo's Transformer (16384 rows) 1.02x, the zoo's MLP at batch 1024 0.95-0.99x. A float32
+#: copy (a host whose products multiply float32, see :data:`FLOAT32_COPIES_MAX_BYTES`) is read at any number of
+#: rows: it spares each product reading the weight a pass that writes a rounded float32 weight, for one more
+#: write in the optimizer update's own pass. Intel Xeon, in-process A/B, best of 5-10 rounds in either order,
+#: training step with / without: the zoo's MLP (1024 rows) 36.4 / 37.3 ms, its embedding model 9.4 / 9.8 ms, its
+#: Transformer 411 / 415 ms.
 TRAINING_COPIES_BELOW_ROWS = 256
 
-#: A weight's copy holds its bfloat16 values in a float32 array where every product reading it has fewer rows than
-#: this and runs in float32 on this host (the ``round_f32`` form, :func:`keras_tpu.mxu._primitives.dot_form`): a
-#: bfloat16 copy would be converted back to float32 in every call, a pass over the weight that costs as much as a
-#: product of few rows. Intel Xeon (Emerald Rapids), a 784-512-512 forward pass in float32 / bfloat16 copies
-#: converted per call / float32 copies: 32 rows 263 / 529 / 254 us, 128 rows 782 / 957 / 868 us.
-FLOAT32_COPIES_BELOW_ROWS = 256
-
-#: ... as long as the float32 copies of all the weights together take at most this many bytes (twice the bfloat16
-#: copies': a large model's inference at few rows keeps the smaller copies, as its memory counts more).
+#: A weight's copy holds its bfloat16 values in a float32 array where every product reading it runs in float32 on
+#: this host (the ``round_f32`` form, :func:`keras_tpu.mxu._primitives.dot_form`): a bfloat16 copy would be
+#: converted back to float32 in every call, a pass over the weight. Intel Xeon (Emerald Rapids), a 784-512-512
+#: forward pass in float32 / bfloat16 copies converted per call / float32 copies: 32 rows 263 / 529 / 254 us,
+#: 128 rows 782 / 957 / 868 us; the zoo's MLP's evaluation step (1024 rows, in-process A/B in either order) 13.2-13.3
+#: ms on float32 copies, 13.7-13.8 on bfloat16 ones. So as long as the float32 copies of all the weights together
+#: take at most this many bytes (twice the bfloat16 copies': a large model keeps the smaller copies, as its memory
+#: counts more).
 FLOAT32_COPIES_MAX_BYTES = 256 << 20
 
 
@@ -153,11 +159,12 @@ class ReadingRoundedWeights:
         dtype('float32')
     """
 
-    def __init__(self, fn, precision="default"):
+    def __init__(self, fn, precision="default", training=False):
         self.fn = fn
         self.default = canonical_precision(precision)
-        # argument signature -> (closed jaxpr, output structure, positions read, fewest rows of a product reading one,
-        # the copies' dtypes)
+        self.training = training
+        # argument signature -> (closed jaxpr, output structure, positions of the weights read as copies, the copies'
+        # dtypes)
         self._traces = {}
 
     def _trace(self, state, rest, axis_env=None):
@@ -179,12 +186,15 @@ class ReadingRoundedWeights:
                             in_float32[v] = in_float32.get(v, True) and kernels.operand_dtype(form) == jnp.float32
             positions = [i for i, v in enumerate(weights) if v in rows]
             fewest = min(rows.values()) if rows else None
-            dtypes = [jnp.dtype(jnp.float32 if in_float32[weights[i]] and rows[weights[i]] < FLOAT32_COPIES_BELOW_ROWS
-                                else jnp.bfloat16) for i in positions]
+            dtypes = [jnp.dtype(jnp.float32 if in_float32[weights[i]] else jnp.bfloat16) for i in positions]
             if sum(4 * weights[i].aval.size for i, d in zip(positions, dtypes) if d == jnp.float32) > \
                     FLOAT32_COPIES_MAX_BYTES:
                 dtypes = [jnp.dtype(jnp.bfloat16)] * len(positions)
-            self._traces[key] = closed, jax.tree.structure(out_shape), positions, fewest, dtypes
+            if self.training and (fewest is None or fewest >= TRAINING_COPIES_BELOW_ROWS):
+                # Many rows: only float32 copies pay (see TRAINING_COPIES_BELOW_ROWS).
+                kept = [(i, d) for i, d in zip(positions, dtypes) if d == jnp.float32]
+                positions, dtypes = [i for i, _ in kept], [d for _, d in kept]
+            self._traces[key] = closed, jax.tree.structure(out_shape), positions, dtypes
         return self._traces[key]
 
     def read_weights(self, state, *rest, axis_env=None):
@@ -196,22 +206,21 @@ class ReadingRoundedWeights:
         """
         return self._trace(state, rest, axis_env)[2]
 
-    def copies_to_make(self, state, *rest, training=False, axis_env=None):
+    def copies_to_make(self, state, *rest, axis_env=None):
         """``(reads copies, positions, dtypes)``: whether the program should read copies, of which weights, and
         what each copy holds its bfloat16 values in.
 
-        Inference always reads copies; a training step only while its products
-        that read a weight have fewer than :data:`TRAINING_COPIES_BELOW_ROWS`
-        rows (the other operand's free size; else ``(False, [], [])``): rounding
-        a weight costs a pass over it, its products that pass times their rows.
-        A copy is a bfloat16 array, or a float32 one where each product reading
-        it has fewer than :data:`FLOAT32_COPIES_BELOW_ROWS` rows and multiplies
-        float32 operands on this host (within :data:`FLOAT32_COPIES_MAX_BYTES`).
+        Inference reads copies of every weight its products multiply. A
+        training step (``training``) reads them where its products that read a
+        weight have fewer than :data:`TRAINING_COPIES_BELOW_ROWS` rows; with
+        more, only the float32 copies (else ``(False, [], [])``): rounding a
+        weight costs a pass over it, its products that pass times their rows.
+        A copy is a float32 array where each product reading it multiplies
+        float32 operands on this host (within :data:`FLOAT32_COPIES_MAX_BYTES`),
+        else a bfloat16 one.
         """
-        _, _, positions, rows, dtypes = self._trace(state, rest, axis_env)
-        if training and (rows is None or rows >= TRAINING_COPIES_BELOW_ROWS):
-            return False, [], []
-        return True, positions, dtypes
+        _, _, positions, dtypes = self._trace(state, rest, axis_env)
+        return bool(positions), positions, dtypes
 
     def without_copies(self, state, *rest):
         """``fn(state, *rest)`` itself, from the same trace: its products read the float32 weights."""
@@ -289,8 +298,9 @@ class WeightCopies:
         self._of = list(weights)
 
 
-def reading_rounded_weights(fn, precision="default"):
-    """``fn(state, *rest)`` as ``fn(state, rounded, *rest)``: a :class:`ReadingRoundedWeights`.
+def reading_rounded_weights(fn, precision="default", training=False):
+    """``fn(state, *rest)`` as ``fn(state, rounded, *rest)``: a :class:`ReadingRoundedWeights` (``training``: of a
+    training step, which returns its state).
 
     Example:
         >>> f = reading_rounded_weights(lambda state, x: x @ state[0][0])
@@ -298,7 +308,7 @@ def reading_rounded_weights(fn, precision="default"):
         >>> f(([w],), round_weights([w]), jnp.ones((1, 3))).dtype
         dtype('float32')
     """
-    return ReadingRoundedWeights(fn, precision)
+    return ReadingRoundedWeights(fn, precision, training)
 
 
 def _product_rows(eqn, operand):

@@ -194,7 +194,7 @@ def _dense(state, x):
 
 @pytest.mark.parametrize("rows, native, max_bytes, expected", [
     (6, False, None, jnp.float32),          # few rows, float32 products: a float32 copy, never converted per call
-    (300, False, None, jnp.bfloat16),       # many rows: the conversion is a small part, the smaller copy wins
+    (300, False, None, jnp.float32),        # many rows: still no conversion per call
     (6, True, None, jnp.bfloat16),          # native bf16 products take the bfloat16 copy as it is
     (6, False, 0, jnp.bfloat16),            # float32 copies past FLOAT32_COPIES_MAX_BYTES: the smaller ones
 ])
@@ -236,7 +236,7 @@ def test_training_on_copies_returned_by_each_step_matches_rounding_in_every_prod
     weights set in between (stale copies would show), are those of rounding the weights in every product; with
     the copies in float32 (this host's float32 products, few rows) or in bfloat16."""
     if not float32_copies:
-        monkeypatch.setattr(_rounded_weights, "FLOAT32_COPIES_BELOW_ROWS", 0)
+        monkeypatch.setattr(_rounded_weights, "FLOAT32_COPIES_MAX_BYTES", 0)
     made = []
     original = _rounded_weights.round_weights
     monkeypatch.setattr(_rounded_weights, "round_weights", lambda *args: made.append(original(*args)) or made[-1])
@@ -261,15 +261,22 @@ def test_training_on_copies_returned_by_each_step_matches_rounding_in_every_prod
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_training_with_many_rows_per_product_rounds_in_each_product_and_keeps_no_copies(monkeypatch):
-    """From TRAINING_COPIES_BELOW_ROWS rows the products outweigh a pass over the weights: no copies."""
+@pytest.mark.parametrize("float32_products", [True, False])
+def test_training_with_many_rows_per_product_keeps_only_float32_copies(monkeypatch, float32_products):
+    """From TRAINING_COPIES_BELOW_ROWS rows the products outweigh a pass over the weights: no bfloat16 copies,
+    each product rounds its weight; float32 copies (a host whose products multiply float32) are still read, as
+    they spare each product its pass. With fewer rows, copies either way."""
     from keras_tpu._rounded_weights import TRAINING_COPIES_BELOW_ROWS
+    from keras_tpu.mxu import _kernels as kernels
 
+    # Every product multiplies float32 operands on this host, or bfloat16 ones (the copies' dtype only).
+    form = kernels.ROUND_F32 if float32_products else kernels.BF16
+    monkeypatch.setattr(_rounded_weights, "dot_form", lambda *args, **kwargs: form)
     copied = record_weight_copies(monkeypatch)
     x, y = classification_data(2 * TRAINING_COPIES_BELOW_ROWS)
     tpu = on_tpu(small_classifier(), "default")
     tpu.fit(x, y, batch_size=TRAINING_COPIES_BELOW_ROWS, epochs=1, verbose=0)
-    assert copied == [[]]
+    assert copied == ([[(6, 16), (16, 3)]] if float32_products else [[]])
     tpu = on_tpu(small_classifier(), "default")
     tpu.fit(x, y, batch_size=TRAINING_COPIES_BELOW_ROWS // 8, epochs=1, verbose=0)  # 32 rows: copies of both kernels
     assert copied[1:] == [[(6, 16), (16, 3)]]

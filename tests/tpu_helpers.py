@@ -66,7 +66,7 @@ class WithoutWeightCopies(_rounded_weights.ReadingRoundedWeights):
     """For monkeypatching ``_rounded_weights.reading_rounded_weights``: no copies, every product rounds the
     float32 weight it reads (as before copies existed)."""
 
-    def copies_to_make(self, state, *rest, training=False, axis_env=None):
+    def copies_to_make(self, state, *rest, axis_env=None):
         return False, [], []
 
     def without_copies(self, state, *rest):
