@@ -592,7 +592,8 @@ def test_has_windows_finds_convolutions_and_poolings_wherever_they_are():
 def test_only_inference_without_windows_on_a_bf16_host_changes_its_options(monkeypatch):
     monkeypatch.setattr(kernels, "host_class", lambda: "bf16")
     plain, pooled = jax.make_jaxpr(_MEAN)(_IMAGES), jax.make_jaxpr(_POOL)(_IMAGES)
-    exact = {"xla_allow_excess_precision": False}   # every program, every host (see the next tests)
+    # every program, every host (see the next tests)
+    exact = {"xla_allow_excess_precision": False, "xla_backend_optimization_level": 2}
     dots_and_sums = {**exact, "xla_cpu_experimental_ynn_fusion_type":
                      "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"}
     for mode in ("test", "predict"):
