@@ -2,8 +2,8 @@
 
 At the default precision the MXU multiplies bfloat16 values, so every step of
 a float32 model rounds each weight it multiplies. Training changes the weights
-every step (a training program with few rows per product reads the copies the
-step before returned of the weights it wrote, see
+every step (a training program with few rows per product, or float32 copies,
+reads the copies the step before returned of the weights it wrote, see
 :data:`TRAINING_COPIES_BELOW_ROWS`); evaluation and
 prediction do not. Their programs therefore take,
 besides the float32 state, bfloat16 copies made once for a state
