@@ -68,6 +68,13 @@ TRAINING_COPIES_BELOW_ROWS = 256
 #: counts more).
 FLOAT32_COPIES_MAX_BYTES = 256 << 20
 
+#: ... and, for the weights products of :data:`TRAINING_COPIES_BELOW_ROWS` rows or more read, as long as their
+#: float32 copies together take at most this many bytes: there a large model's copies cost more memory than the
+#: passes they spare cost time. The 50.4M-parameter MLP of ``benchmarks/big_models.py`` (batch 256) trained with
+#: float32 copies at a peak of 1.36 GiB and 0.357 s per step, without them 1.20 GiB and 0.347 s (plain Keras 1.13
+#: GiB); the zoo's MLP holds 7 MB of copies.
+FLOAT32_COPIES_AT_MANY_ROWS_MAX_BYTES = 32 << 20
+
 
 def roundable(leaves):
     """Positions of the float32 arrays of two or more dimensions among ``leaves`` (kernels, not biases).
@@ -186,10 +193,15 @@ class ReadingRoundedWeights:
                             in_float32[v] = in_float32.get(v, True) and kernels.operand_dtype(form) == jnp.float32
             positions = [i for i, v in enumerate(weights) if v in rows]
             fewest = min(rows.values()) if rows else None
-            dtypes = [jnp.dtype(jnp.float32 if in_float32[weights[i]] else jnp.bfloat16) for i in positions]
-            if sum(4 * weights[i].aval.size for i, d in zip(positions, dtypes) if d == jnp.float32) > \
-                    FLOAT32_COPIES_MAX_BYTES:
-                dtypes = [jnp.dtype(jnp.bfloat16)] * len(positions)
+            in_float32 = [in_float32[weights[i]] for i in positions]
+            many_rows = [rows[weights[i]] >= TRAINING_COPIES_BELOW_ROWS for i in positions]
+            float32_bytes = lambda chosen: sum(4 * weights[i].aval.size for i, c in zip(positions, chosen) if c)
+            if float32_bytes(in_float32) > FLOAT32_COPIES_MAX_BYTES:
+                in_float32 = [False] * len(positions)
+            at_many_rows = [f and m for f, m in zip(in_float32, many_rows)]
+            if float32_bytes(at_many_rows) > FLOAT32_COPIES_AT_MANY_ROWS_MAX_BYTES:
+                in_float32 = [f and not m for f, m in zip(in_float32, many_rows)]
+            dtypes = [jnp.dtype(jnp.float32 if f else jnp.bfloat16) for f in in_float32]
             if self.training and (fewest is None or fewest >= TRAINING_COPIES_BELOW_ROWS):
                 # Many rows: only float32 copies pay (see TRAINING_COPIES_BELOW_ROWS).
                 kept = [(i, d) for i, d in zip(positions, dtypes) if d == jnp.float32]
@@ -216,8 +228,8 @@ class ReadingRoundedWeights:
         more, only the float32 copies (else ``(False, [], [])``): rounding a
         weight costs a pass over it, its products that pass times their rows.
         A copy is a float32 array where each product reading it multiplies
-        float32 operands on this host (within :data:`FLOAT32_COPIES_MAX_BYTES`),
-        else a bfloat16 one.
+        float32 operands on this host (within :data:`FLOAT32_COPIES_MAX_BYTES`
+        and :data:`FLOAT32_COPIES_AT_MANY_ROWS_MAX_BYTES`), else a bfloat16 one.
         """
         _, _, positions, dtypes = self._trace(state, rest, axis_env)
         return bool(positions), positions, dtypes

@@ -197,6 +197,8 @@ def _dense(state, x):
     (300, False, None, jnp.float32),        # many rows: still no conversion per call
     (6, True, None, jnp.bfloat16),          # native bf16 products take the bfloat16 copy as it is
     (6, False, 0, jnp.bfloat16),            # float32 copies past FLOAT32_COPIES_MAX_BYTES: the smaller ones
+    (300, False, "many", jnp.bfloat16),     # many rows past FLOAT32_COPIES_AT_MANY_ROWS_MAX_BYTES: the smaller ones
+    (6, False, "many", jnp.float32),        # ... which bounds only the copies that many rows read
 ])
 def test_a_copy_is_held_in_the_dtype_its_products_take(monkeypatch, rows, native, max_bytes, expected):
     from keras_tpu.mxu import _kernels as kernels
@@ -204,7 +206,11 @@ def test_a_copy_is_held_in_the_dtype_its_products_take(monkeypatch, rows, native
     if native:
         monkeypatch.setattr(kernels, "host_class", lambda: "bf16")
         monkeypatch.setattr(kernels, "native_bf16_dots_here", lambda: True)
-    if max_bytes is not None:
+    elif kernels.host_class() == "bf16" and kernels.native_bf16_dots_here():
+        monkeypatch.setattr(kernels, "native_bf16_dots_here", lambda: False)
+    if max_bytes == "many":
+        monkeypatch.setattr(_rounded_weights, "FLOAT32_COPIES_AT_MANY_ROWS_MAX_BYTES", 784 * 512 * 4 - 1)
+    elif max_bytes is not None:
         monkeypatch.setattr(_rounded_weights, "FLOAT32_COPIES_MAX_BYTES", max_bytes)
     w = jax.ShapeDtypeStruct((784, 512), jnp.float32)
     reading = _rounded_weights.reading_rounded_weights(_dense)
@@ -277,9 +283,14 @@ def test_training_with_many_rows_per_product_keeps_only_float32_copies(monkeypat
     tpu = on_tpu(small_classifier(), "default")
     tpu.fit(x, y, batch_size=TRAINING_COPIES_BELOW_ROWS, epochs=1, verbose=0)
     assert copied == ([[(6, 16), (16, 3)]] if float32_products else [[]])
+    # A large model's float32 copies at many rows would cost more memory than they save time: none.
+    monkeypatch.setattr(_rounded_weights, "FLOAT32_COPIES_AT_MANY_ROWS_MAX_BYTES", 6 * 16 * 4)
+    tpu = on_tpu(small_classifier(), "default")
+    tpu.fit(x, y, batch_size=TRAINING_COPIES_BELOW_ROWS, epochs=1, verbose=0)
+    assert copied[-1] == []
     tpu = on_tpu(small_classifier(), "default")
     tpu.fit(x, y, batch_size=TRAINING_COPIES_BELOW_ROWS // 8, epochs=1, verbose=0)  # 32 rows: copies of both kernels
-    assert copied[1:] == [[(6, 16), (16, 3)]]
+    assert copied[-1] == [(6, 16), (16, 3)]
 
 
 def test_weights_rounded_on_the_host_equal_those_rounded_by_xla(monkeypatch):
