@@ -590,6 +590,7 @@ def test_has_windows_finds_convolutions_and_poolings_wherever_they_are():
 
 
 def test_only_inference_without_windows_on_a_bf16_host_changes_its_options(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "")   # (the suite's own sets LLVM's level: see the next test)
     monkeypatch.setattr(kernels, "host_class", lambda: "bf16")
     plain, pooled = jax.make_jaxpr(_MEAN)(_IMAGES), jax.make_jaxpr(_POOL)(_IMAGES)
     # every program, every host (see the next tests)
@@ -605,6 +606,15 @@ def test_only_inference_without_windows_on_a_bf16_host_changes_its_options(monke
         kernels.compiler_options("train") == dots_and_sums
     monkeypatch.setattr(kernels, "host_class", lambda: "no_bf16")   # measured on bf16 hosts only
     assert kernels.compiler_options("test", plain) == kernels.compiler_options("test", pooled) == exact
+
+
+def test_programs_compile_at_llvm_o2_unless_xla_flags_set_the_level(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+    assert all(kernels.compiler_options(mode)["xla_backend_optimization_level"] == 2
+               for mode in ("train", "test", "predict"))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=1")
+    assert all("xla_backend_optimization_level" not in kernels.compiler_options(mode)
+               for mode in ("train", "test", "predict"))
 
 
 def test_an_embedding_lookup_fuses_with_its_pooling_in_inference_without_windows(monkeypatch):

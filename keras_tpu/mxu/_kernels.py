@@ -549,8 +549,14 @@ _EXACT_ROUNDING = {"xla_allow_excess_precision": False}
 #: keras-tpu's own convolutions) are compiled already and do not change.
 _QUICKER_CODE_GENERATION = {"xla_backend_optimization_level": 2}
 
-#: The options of every keras-tpu program, on every host.
-_EVERY_PROGRAM = {**_EXACT_ROUNDING, **_QUICKER_CODE_GENERATION}
+
+
+def _every_program_options():
+    """The options of every keras-tpu program, on every host: ``_EXACT_ROUNDING`` and ``_QUICKER_CODE_GENERATION``,
+    unless ``XLA_FLAGS`` sets LLVM's level itself (as the test suite does, ``-O1``), which is then kept."""
+    if "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", ""):
+        return dict(_EXACT_ROUNDING)
+    return {**_EXACT_ROUNDING, **_QUICKER_CODE_GENERATION}
 
 
 def compiler_options(mode="train", program=None):
@@ -563,7 +569,7 @@ def compiler_options(mode="train", program=None):
     (never empty); the built-in table's choices were measured with these options.
 
     Every program keeps the MXU's bf16 roundings exact (``_EXACT_ROUNDING``) and has LLVM optimize its kernels
-    at ``-O2`` (``_QUICKER_CODE_GENERATION``).
+    at ``-O2`` (``_QUICKER_CODE_GENERATION``; a level ``XLA_FLAGS`` sets is kept).
 
     Example:
         >>> compiler_options("train")["xla_cpu_experimental_ynn_fusion_type"] in (
@@ -578,7 +584,7 @@ def compiler_options(mode="train", program=None):
         fusion_types = _INFERENCE_WITHOUT_WINDOWS[host]
     elif mode != "train" and host == "bf16" and conv_kernels_here(inference=True) == ROUND_F32_YNNPACK:
         fusion_types = None   # XLA's defaults: YNNPACK's convolutions measured fastest on this host
-    options = dict(_EVERY_PROGRAM)
+    options = _every_program_options()
     if fusion_types is not None:
         options["xla_cpu_experimental_ynn_fusion_type"] = fusion_types
     return options
@@ -704,7 +710,7 @@ def _compiled_candidate(traced, fusion_types, **forms):
     def build():
         closed, args = traced()
         flat = jax.tree.leaves(args)
-        options = dict(_EVERY_PROGRAM)
+        options = _every_program_options()
         if fusion_types is not None:
             options["xla_cpu_experimental_ynn_fusion_type"] = fusion_types
         return jax.jit(_with_forms(closed, **forms)).lower(*flat).compile(options), flat
