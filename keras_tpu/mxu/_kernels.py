@@ -550,7 +550,6 @@ _EXACT_ROUNDING = {"xla_allow_excess_precision": False}
 _QUICKER_CODE_GENERATION = {"xla_backend_optimization_level": 2}
 
 
-
 def _every_program_options():
     """The options of every keras-tpu program, on every host: ``_EXACT_ROUNDING`` and ``_QUICKER_CODE_GENERATION``,
     unless ``XLA_FLAGS`` sets LLVM's level itself (as the test suite does, ``-O1``), which is then kept."""
