@@ -192,20 +192,9 @@ class ReadingRoundedWeights:
                                             bf16_valued=tuple(i == side for i in range(2)))
                             in_float32[v] = in_float32.get(v, True) and kernels.operand_dtype(form) == jnp.float32
             positions = [i for i, v in enumerate(weights) if v in rows]
-            fewest = min(rows.values()) if rows else None
-            in_float32 = [in_float32[weights[i]] for i in positions]
-            many_rows = [rows[weights[i]] >= TRAINING_COPIES_BELOW_ROWS for i in positions]
-            float32_bytes = lambda chosen: sum(4 * weights[i].aval.size for i, c in zip(positions, chosen) if c)
-            if float32_bytes(in_float32) > FLOAT32_COPIES_MAX_BYTES:
-                in_float32 = [False] * len(positions)
-            at_many_rows = [f and m for f, m in zip(in_float32, many_rows)]
-            if float32_bytes(at_many_rows) > FLOAT32_COPIES_AT_MANY_ROWS_MAX_BYTES:
-                in_float32 = [f and not m for f, m in zip(in_float32, many_rows)]
-            dtypes = [jnp.dtype(jnp.float32 if f else jnp.bfloat16) for f in in_float32]
-            if self.training and (fewest is None or fewest >= TRAINING_COPIES_BELOW_ROWS):
-                # Many rows: only float32 copies pay (see TRAINING_COPIES_BELOW_ROWS).
-                kept = [(i, d) for i, d in zip(positions, dtypes) if d == jnp.float32]
-                positions, dtypes = [i for i, _ in kept], [d for _, d in kept]
+            read = [weights[i] for i in positions]
+            chosen, dtypes = _copies_read(read, [rows[v] for v in read], [in_float32[v] for v in read], self.training)
+            positions = [positions[i] for i in chosen]
             self._traces[key] = closed, jax.tree.structure(out_shape), positions, dtypes
         return self._traces[key]
 
@@ -321,6 +310,25 @@ def reading_rounded_weights(fn, precision="default", training=False):
         dtype('float32')
     """
     return ReadingRoundedWeights(fn, precision, training)
+
+
+def _copies_read(weights, rows, in_float32, training):
+    """``(indices, dtypes)``: which of ``weights`` (avals; each read by products of at least ``rows`` rows, all of
+    them multiplying float32 operands on this host where ``in_float32``) a program reads as copies, and in what
+    dtype (see :data:`TRAINING_COPIES_BELOW_ROWS`, :data:`FLOAT32_COPIES_MAX_BYTES` and
+    :data:`FLOAT32_COPIES_AT_MANY_ROWS_MAX_BYTES`)."""
+    many_rows = [r >= TRAINING_COPIES_BELOW_ROWS for r in rows]
+    float32_bytes = lambda chosen: sum(4 * w.aval.size for w, c in zip(weights, chosen) if c)
+    if float32_bytes(in_float32) > FLOAT32_COPIES_MAX_BYTES:
+        in_float32 = [False] * len(weights)
+    if float32_bytes([f and m for f, m in zip(in_float32, many_rows)]) > FLOAT32_COPIES_AT_MANY_ROWS_MAX_BYTES:
+        in_float32 = [f and not m for f, m in zip(in_float32, many_rows)]
+    dtypes = [jnp.dtype(jnp.float32 if f else jnp.bfloat16) for f in in_float32]
+    indices = list(range(len(weights)))
+    if training and all(many_rows):
+        # Many rows: only float32 copies pay (see TRAINING_COPIES_BELOW_ROWS).
+        indices = [i for i in indices if dtypes[i] == jnp.float32]
+    return indices, [dtypes[i] for i in indices]
 
 
 def _product_rows(eqn, operand):
