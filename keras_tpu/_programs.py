@@ -230,6 +230,11 @@ class Program:
         """Say that the program for ``args`` in ``form`` compiled, in ``seconds``."""
         raise NotImplementedError
 
+    def _hoists_loop_invariants(self, program, args):
+        """Whether XLA lifts loop invariants out of the loops of ``program`` (traced for ``args``): see
+        :func:`keras_tpu.mxu._kernels.hoists_loop_invariants`. Yes, unless a kind of program knows its own loops."""
+        return True
+
     # -- the programs ----------------------------------------------------------------------
 
     def _reading(self, form):
@@ -280,7 +285,8 @@ class Program:
         # XLA:CPU's options on this host, for this kind of program (see keras_tpu.mxu._kernels.compiler_options).
         with kernels.lowering_mode(self.mode):   # (some kernel forms are chosen per kind of program)
             lowered = traced.lower()
-        compiling = compiling_in_background(lowered, kernels.compiler_options(self.mode, traced.jaxpr))
+        compiling = compiling_in_background(lowered, kernels.compiler_options(
+            self.mode, traced.jaxpr, hoist_loop_invariants=self._hoists_loop_invariants(traced.jaxpr, args)))
         # A TPU keeps no bf16 copies. One core's step needs about the same HBM in every form: checked once per shape.
         checked = any(compiled == signature for compiled, _ in self._executables)
         footprint = None if checked else self._footprint(args, form)
@@ -379,6 +385,13 @@ class PaddedProgram(Program):
 
     def _footprint(self, args, form):
         return self.builder.hbm_footprint(self.mode, (args[0],) + args[2:], form)
+
+    def _hoists_loop_invariants(self, program, args):
+        # Its own loops: the stacked steps' (more than one) and a training step's cores' (see
+        # ReplicatedSteps.trains_cores_in_a_loop); any other is the model's, its loss's or its metrics'.
+        own_loops = int(args[3].shape[1] > 1) + int(self.mode == "train" and self.builder.trains_cores_in_a_loop)
+        weights = sum(int(np.size(w)) for w in jax.tree.leaves(args[0][0]))
+        return kernels.hoists_loop_invariants(self.mode, program, own_loops, weights)
 
     def _log_compiled(self, args, form, seconds, footprint):
         data, mask, real_rows = args[2:]

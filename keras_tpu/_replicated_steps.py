@@ -253,6 +253,7 @@ class ReplicatedSteps:
         self.layout_choices = set()  # inference modes whose programs may run merged or looped (see _cores_merged)
         self._tracing_form = ProgramForm()  # the form of the step being traced (see tracing_form)
         self.computes_batch_statistics = False  # whether a traced training step did (see ProgramForm.padding_rows)
+        self.trains_cores_in_a_loop = False  # whether a traced training step runs its cores in a loop (lax.scan)
         self._core_forwards = {}  # one core's forward pass per input shape (see _core_forward)
         self._shared_traces = {}  # pieces of a step traced once, replayed (see _traced_once)
         self._padding_rows_count = {}  # why padding rows would count (or ''), per batch shape
@@ -1032,6 +1033,7 @@ class ReplicatedSteps:
         if not merged and layout.num_cores > 1:
             _refuse_overwritten_by_gradient(model)
         looped = not merged and self._cores_looped(trainable, non_trainable, x)
+        self.trains_cores_in_a_loop = looped and layout.cores_per_device > 1  # (see value_and_grad_over_cores)
         if merged:
             (_, (unscaled, y_pred, new_non_trainable)), grads = jax.value_and_grad(device_loss, has_aux=True)(
                 trainable)

@@ -617,6 +617,50 @@ def test_programs_compile_at_llvm_o2_unless_xla_flags_set_the_level(monkeypatch)
                for mode in ("train", "test", "predict"))
 
 
+def test_loop_count_counts_nested_loops_and_a_models_own_loop_keeps_loop_invariant_motion():
+    x = jnp.ones((8, 3))
+    cores = jax.make_jaxpr(lambda x: lax.map(jnp.tanh, x))(x)
+    recurrent = jax.make_jaxpr(lambda x: lax.map(lambda r: lax.scan(lambda c, v: (c * v, c), 1.0, r)[1], x))(x)
+    fori_in_jit = jax.make_jaxpr(jax.jit(lambda x: lax.fori_loop(0, 3, lambda i, a: a + 1, x)))(x)
+    assert kernels.loop_count(jax.make_jaxpr(jnp.tanh)(x)) == 0
+    assert (kernels.loop_count(cores), kernels.loop_count(recurrent), kernels.loop_count(fori_in_jit)) == (1, 2, 1)
+    most = kernels.LOOP_INVARIANT_MOTION_ABOVE_WEIGHTS
+    assert not kernels.hoists_loop_invariants("train", cores, own_loops=1, weights=most)
+    assert kernels.hoists_loop_invariants("train", cores, own_loops=1, weights=most + 1)
+    assert kernels.hoists_loop_invariants("train", recurrent, own_loops=1, weights=1000)
+    assert kernels.hoists_loop_invariants("train", cores, own_loops=0, weights=1000)
+    assert all(kernels.hoists_loop_invariants(mode, cores, own_loops=1, weights=1000) for mode in ("test", "predict"))
+
+
+def _computed_in_loop(compiled_text, opcode):
+    """Whether a compiled program's (one) while loop runs ``opcode`` in its body, or in a kernel its body calls."""
+    computations = {m.group(1): m.group(0) for m in re.finditer(r"^%?([\w.-]+) \(.*?^}", compiled_text, re.M | re.S)}
+    seen, pending = set(), [re.search(r"while\(.*body=%?([\w.-]+)", compiled_text).group(1)]
+    while pending:
+        name = pending.pop()
+        if name not in seen:
+            seen.add(name)
+            pending.extend(re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.-]+)", computations[name]))
+    return any(f" {opcode}(" in computations[name] for name in seen)
+
+
+def test_a_program_without_loop_invariant_motion_computes_invariants_in_its_loop(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=1")
+    assert "xla_disable_hlo_passes" not in kernels.compiler_options("train")
+    without = kernels.compiler_options("train", hoist_loop_invariants=False)
+    assert without["xla_disable_hlo_passes"] == "while-loop-invariant-code-motion"
+    # What the loop does not change (exp of the weights) is lifted out of the body, or computed in it.
+    per_core = lambda w, x: lax.map(lambda r: r * jnp.exp(w), x)
+    w, x = jnp.ones((16,)), jnp.ones((8, 16))
+    lifted = jax.jit(per_core).lower(w, x).compile(kernels.compiler_options("train")).as_text()
+    kept = jax.jit(per_core).lower(w, x).compile(without).as_text()
+    assert not _computed_in_loop(lifted, "exponential") and _computed_in_loop(kept, "exponential")
+    # (the passes XLA_FLAGS disables stay disabled)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_disable_hlo_passes=algsimp --xla_backend_optimization_level=1")
+    assert kernels.compiler_options("train", hoist_loop_invariants=False)["xla_disable_hlo_passes"] == \
+        "algsimp,while-loop-invariant-code-motion"
+
+
 def test_an_embedding_lookup_fuses_with_its_pooling_in_inference_without_windows(monkeypatch):
     # The embedding model's evaluation: with YNNPACK reductions the looked-up rows (256 x 32 x 64) are written
     # out for YNNPACK's sum; without, XLA sums them as it looks them up.

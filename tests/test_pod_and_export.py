@@ -201,7 +201,7 @@ def test_an_exported_convolutional_model_keeps_the_mxu_roundings(tmp_path, monke
     scale = np.max(np.abs(want))
     assert np.mean(np.abs(got - want)) / scale < 1e-5
     assert np.mean(np.abs(float32 - want)) / scale > 1e-4   # the rounding shows at this size
-    monkeypatch.setattr(kernels, "compiler_options", lambda *args: {})   # XLA's defaults: the check above can fail
+    monkeypatch.setattr(kernels, "compiler_options", lambda *args, **kwargs: {})   # XLA's defaults: the check above can fail
     loaded = keras_tpu.load_exported(path)
     if "__ynn" not in loaded._predict.lower(loaded.trainable, loaded.non_trainable, x).compile().as_text():
         pytest.skip("XLA:CPU did not fuse the program into YNNPACK here")

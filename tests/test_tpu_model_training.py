@@ -323,8 +323,8 @@ def test_a_convolutional_model_keeps_the_mxu_roundings_where_xla_fuses_its_layer
     float32 = run(on_tpu(model, "highest"))
     # The reference: the same programs with no YNNPACK fusion (so nothing is fused with a reduction).
     compiler_options = kernels.compiler_options
-    monkeypatch.setattr(kernels, "compiler_options", lambda *args: {
-        **compiler_options(*args), "xla_cpu_experimental_ynn_fusion_type": ""})
+    monkeypatch.setattr(kernels, "compiler_options", lambda *args, **kwargs: {
+        **compiler_options(*args, **kwargs), "xla_cpu_experimental_ynn_fusion_type": ""})
     want = run(keras_tpu.keras_to_tpu_model(model))
     # Mean differences: float32 sums in another order may flip a rare rounding. With the roundings dropped, the
     # updates were 1.4% off on average, the predictions those of the float32 network.
@@ -569,3 +569,31 @@ def test_fit_history_answers_to_tf1_accuracy_names():
     assert "acc" in logs and "loss_acc" not in logs and sorted(logs) == ["accuracy", "loss", "val_accuracy", "val_loss"]
     with pytest.raises(KeyError):
         logs["top_k_acc"]
+
+
+def test_a_training_program_looping_over_the_cores_alone_compiles_without_loop_invariant_motion(monkeypatch):
+    from keras_tpu.mxu import _kernels as kernels
+
+    chosen = []
+    options_of = kernels.compiler_options
+
+    def recording(mode="train", program=None, hoist_loop_invariants=True):
+        chosen.append((mode, hoist_loop_invariants))
+        return options_of(mode, program, hoist_loop_invariants)
+
+    monkeypatch.setattr(kernels, "compiler_options", recording)
+    images, labels = np.random.default_rng(0).standard_normal((32, 16, 16, 3)).astype("float32"), np.zeros(32)
+    # A CNN's training step loops over the cores: its invariants (rounded weights) fuse into the loop's ops.
+    cnn = on_tpu(small_cnn(), precision="default")
+    cnn.fit(images, labels, batch_size=16, verbose=0)
+    cnn.evaluate(images, labels, batch_size=16, verbose=0)   # inference keeps the pass
+    training = lambda: [hoists for mode, hoists in chosen if mode == "train"]
+    assert training() == [False] and ("test", True) in chosen
+    # A recurrence of the model's own keeps it: its weights' roundings stay out of every time step.
+    layers = keras.layers
+    sequences = keras.Sequential([keras.Input((16, 16, 3)), layers.Reshape((16, 48)), layers.Conv1D(8, 3),
+                                  layers.LSTM(8), layers.Dense(2)])
+    sequences.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    chosen.clear()
+    on_tpu(sequences, precision="default").fit(images, labels, batch_size=16, verbose=0)
+    assert training() == [True]
