@@ -591,7 +591,10 @@ def loop_count(program):
     count = 0
     for eqn in jaxpr.eqns:
         count += eqn.primitive.name in _LOOP_PRIMITIVES
-        count += sum(loop_count(sub) for sub in jex_core.jaxprs_in_params(eqn.params))
+        for value in eqn.params.values():   # nested programs: a loop's body, a cond's branches, a jit's, ...
+            for sub in value if isinstance(value, tuple) else (value,):
+                if isinstance(sub, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
+                    count += loop_count(sub)
     return count
 
 
