@@ -98,6 +98,7 @@ from jax.extend import source_info_util
 
 from keras_tpu import _keras_private
 from keras_tpu._accelerators import GIB, accelerator_spec
+from keras_tpu._rewrite import sub_jaxprs
 from keras_tpu.mxu._program import split_name_stack
 
 #: Set to 1 to run programs that exceed the accelerator's HBM anyway (see :meth:`HBMFootprint.check`).
@@ -358,17 +359,6 @@ EXPENSIVE = frozenset("atan2 cbrt cos cosh erf erf_inv erfc exp exp2 expm1 log l
 # Calls whose body runs once, in place: inlined into the caller's program order.
 INLINE = frozenset("pjit jit closed_call core_call custom_jvp_call custom_vjp_call custom_vjp_call_jaxpr remat "
                     "checkpoint remat2 custom_lin shard_map".split())
-
-
-def sub_jaxprs(eqn):
-    found = []
-    for value in eqn.params.values():
-        for sub in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(sub, jex_core.ClosedJaxpr):
-                found.append(sub.jaxpr)
-            elif isinstance(sub, jex_core.Jaxpr):
-                found.append(sub)
-    return found
 
 
 class _Value:

@@ -264,6 +264,25 @@ class Occurrence:
     in_branch: bool         # inside a cond branch (may not run)
 
 
+def sub_jaxprs(eqn):
+    """The programs an equation holds in its parameters (a loop's body, a cond's branches, a jit's program), as
+    ``Jaxpr``\ s.
+
+    Example:
+        >>> closed = jax.make_jaxpr(lambda x: jax.lax.map(jnp.sin, x))(jnp.ones((2, 3)))
+        >>> [len(sub.eqns) for sub in sub_jaxprs(closed.eqns[0])]
+        [1]
+    """
+    found = []
+    for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(sub, jex_core.ClosedJaxpr):
+                found.append(sub.jaxpr)
+            elif isinstance(sub, jex_core.Jaxpr):
+                found.append(sub)
+    return found
+
+
 def walk(closed_or_jaxpr, predicate):
     """Every equation (recursively) for which ``predicate(eqn)`` is true, as :class:`Occurrence`.
 
@@ -284,15 +303,9 @@ def walk(closed_or_jaxpr, predicate):
             name = eqn.primitive.name
             if name in _OPAQUE_PRIMITIVES:
                 continue
-            for value in eqn.params.values():
-                subs = value if isinstance(value, tuple) else (value,)
-                for sub in subs:
-                    if isinstance(sub, jex_core.ClosedJaxpr):
-                        sub = sub.jaxpr
-                    if not isinstance(sub, jex_core.Jaxpr):
-                        continue
-                    times = repeats * (eqn.params["length"] if name == "scan" else 1)
-                    visit(sub, times, stack, in_loop or name == "while", in_branch or name == "cond")
+            for sub in sub_jaxprs(eqn):
+                times = repeats * (eqn.params["length"] if name == "scan" else 1)
+                visit(sub, times, stack, in_loop or name == "while", in_branch or name == "cond")
 
     visit(jaxpr, 1, source_info_util.new_name_stack(), False, False)
     return found

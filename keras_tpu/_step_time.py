@@ -48,6 +48,7 @@ from jax.extend import source_info_util
 
 from keras_tpu import _hbm as hbm
 from keras_tpu._accelerators import accelerator_spec, system_figures
+from keras_tpu._rewrite import sub_jaxprs
 from keras_tpu.mxu._primitives import mxu_conv_p, mxu_dot_general_p
 from keras_tpu.mxu._program import split_name_stack
 
@@ -285,7 +286,7 @@ class _Walker:
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             stack = prefix + eqn.source_info.name_stack
-            subs = hbm.sub_jaxprs(eqn)
+            subs = sub_jaxprs(eqn)
             inputs = [env[a] for a in eqn.invars if not isinstance(a, jex_core.Literal) and a in env]
             if name in INLINE and len(subs) == 1 and len(subs[0].invars) == len(eqn.invars):
                 sub = subs[0]

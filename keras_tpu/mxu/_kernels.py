@@ -590,11 +590,7 @@ def loop_count(program):
     jaxpr = program.jaxpr if isinstance(program, jex_core.ClosedJaxpr) else program
     count = 0
     for eqn in jaxpr.eqns:
-        count += eqn.primitive.name in _LOOP_PRIMITIVES
-        for value in eqn.params.values():   # nested programs: a loop's body, a cond's branches, a jit's, ...
-            for sub in value if isinstance(value, tuple) else (value,):
-                if isinstance(sub, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
-                    count += loop_count(sub)
+        count += (eqn.primitive.name in _LOOP_PRIMITIVES) + sum(map(loop_count, rewrite.sub_jaxprs(eqn)))
     return count
 
 
