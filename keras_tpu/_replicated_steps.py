@@ -59,7 +59,7 @@ import numpy as np
 from jax import lax
 from keras import tree
 
-from keras_tpu import _hbm as hbm, _keras_private, _rewrite as rewrite
+from keras_tpu import _hbm as hbm, _host as host, _keras_private, _rewrite as rewrite
 from keras_tpu._logging import logger
 from keras_tpu._cores import CoreLayout
 from keras_tpu._custom_steps import (CustomSteps, couples_rows_in_training, custom_step_methods, random_in_training,
@@ -382,7 +382,8 @@ class ReplicatedSteps:
                 except StopIteration:
                     raise StopIteration from None
                 iterator = itertools.chain([first], iterator)
-                why, loss_couples_rows, interact = self._why_padding_rows_count(mode, state, first, probe_rows)
+                with host.collection_paused():  # (it traces the model: see host.collection_paused)
+                    why, loss_couples_rows, interact = self._why_padding_rows_count(mode, state, first, probe_rows)
                 if why:
                     custom = CustomSteps(self, loss_couples_rows, interact, why)
                     logger.info("%s %s: its %s steps run without padding rows, %s.", self.model.name, why, mode,

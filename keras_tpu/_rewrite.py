@@ -266,7 +266,7 @@ class Occurrence:
 
 def sub_jaxprs(eqn):
     """The programs an equation holds in its parameters (a loop's body, a cond's branches, a jit's program), as
-    ``Jaxpr``\ s.
+    jaxprs.
 
     Example:
         >>> closed = jax.make_jaxpr(lambda x: jax.lax.map(jnp.sin, x))(jnp.ones((2, 3)))

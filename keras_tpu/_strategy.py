@@ -51,7 +51,7 @@ import keras
 import numpy as np
 from keras import tree
 
-from keras_tpu import _hbm as hbm, _keras_private, _pod as pod, _rewrite as rewrite
+from keras_tpu import _hbm as hbm, _host as host, _keras_private, _pod as pod, _rewrite as rewrite
 from keras_tpu._cores import CORE_AXIS
 from keras_tpu._custom_steps import gradients_summed_over_cores
 from keras_tpu._per_replica import (DistributedDataset, InputReplicationMode, PerReplica, batches_in,
@@ -641,8 +641,10 @@ class TPUStrategy:
         sharded = [self._rows_by_replica(x.stacked) for x in per_replica]
         rows = tuple(x.rows for x in per_replica)  # (a ragged argument's row counts: a program per pattern)
         key = (_replica_function_key(fn), treedef, kinds, tuple((i, repr(x)) for i, x in static), rows)
-        program = self._run_programs.pop(key, None) or _RunProgram(self, fn, treedef, kinds, dict(static),
-                                                                   replicated, sharded, rows)
+        program = self._run_programs.pop(key, None)
+        if program is None:
+            with host.collection_paused():  # (it traces fn: see host.collection_paused)
+                program = _RunProgram(self, fn, treedef, kinds, dict(static), replicated, sharded, rows)
         self._run_programs[key] = program  # most recently used last
         while len(self._run_programs) > 64:
             self._run_programs.pop(next(iter(self._run_programs)))
@@ -936,6 +938,7 @@ class _RunProgram:
         self.fn, self.treedef, self.kinds, self.static = fn, treedef, kinds, static
         self.layout, self.accelerator_type = strategy.layout, strategy.placement.accelerator_type
         self._hbm_checked = set()  # the argument shapes whose per-core HBM was checked
+        self._called = set()  # the argument shapes the program was called with (traced and compiled)
         abstract = lambda tree_: jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)),
                                                tree_)
         one_replica = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), abstract(x))
@@ -1070,7 +1073,7 @@ class _RunProgram:
         args, kwargs = jax.tree.unflatten(self.treedef, leaves)
         return self.fn(*args, **kwargs)
 
-    def _check_hbm(self, values, replicated, sharded):
+    def _check_hbm(self, values, replicated, sharded, signature):
         """Refuse, as a TPU's compiler does, a replica function whose step on one core would not fit the core's HBM
         (:mod:`keras_tpu._hbm`): one core's ``fn`` (products in float32: a TPU keeps no bfloat16 copies) is
         traced abstractly on the variables, the arguments every core gets whole, and one replica's share, once
@@ -1079,7 +1082,6 @@ class _RunProgram:
         if self.accelerator_type is None:  # a CPU placement has no HBM
             return
         leaves = jax.tree.leaves((values, replicated, sharded))
-        signature = _signature(values, replicated, sharded)
         if signature in self._hbm_checked:
             return
         compiling = None
@@ -1108,13 +1110,17 @@ class _RunProgram:
             values = [value if getattr(value, "sharding", None) == self.replicated or
                       isinstance(value, jax.core.Tracer) else jax.device_put(value, self.replicated)
                       for value in values]
-        self._check_hbm(values, replicated, sharded)
-        try:
-            outputs, combined = self.program(values, replicated, sharded)
-        except ValueError as error:   # called while the user's own jit traces (JAX names the nested-jit rule)
-            if "compiler_options" not in str(error):
-                raise
-            outputs, combined = self.nested_program(values, replicated, sharded)
+        signature = _signature(values, replicated, sharded)
+        # (the first call for these shapes traces and compiles: see host.collection_paused)
+        with contextlib.nullcontext() if signature in self._called else host.collection_paused():
+            self._check_hbm(values, replicated, sharded, signature)
+            try:
+                outputs, combined = self.program(values, replicated, sharded)
+            except ValueError as error:   # called while the user's own jit traces (JAX names the nested-jit rule)
+                if "compiler_options" not in str(error):
+                    raise
+                outputs, combined = self.nested_program(values, replicated, sharded)
+        self._called.add(signature)
         if self.written and any(isinstance(a, jax.core.Tracer) for a in combined):
             raise RuntimeError(
                 "strategy.run was called inside a function JAX traces (jax.jit, the port of @tf.function), and its "

@@ -88,3 +88,54 @@ def test_every_compile_gives_the_compilers_scratch_back(monkeypatch):
     tpu.evaluate(x, y, batch_size=64, verbose=0)
     tpu.evaluate(x, y, batch_size=64, verbose=0)  # compiled already
     assert len(calls) == 2
+
+
+class _RecordsTheCollector(keras.layers.Layer):
+    """A layer that records, each time its ``call`` runs (it runs when a program is traced), whether Python's
+    garbage collector is enabled."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen = []
+
+    def call(self, x):
+        self.seen.append(gc.isenabled())
+        return x
+
+
+def test_programs_are_traced_and_compiled_with_the_garbage_collector_paused():
+    recorder = _RecordsTheCollector()
+    model = keras.Sequential([keras.Input((8,)), recorder, keras.layers.Dense(4)])
+    model.compile("sgd", "mse", metrics=["mae"])
+    tpu = keras_tpu.keras_to_tpu_model(model)
+    x, y = np.ones((64, 8), "float32"), np.ones((64, 4), "float32")
+    tpu.evaluate(x, y, batch_size=64, verbose=0)  # (Keras' own symbolic build traces the model first: not ours)
+    assert gc.isenabled()
+    for run in (lambda: tpu.fit(x, y, batch_size=64, verbose=0), lambda: tpu.evaluate(x, y, batch_size=32, verbose=0),
+                lambda: tpu.predict(x, batch_size=64, verbose=0)):
+        recorder.seen.clear()
+        run()
+        assert recorder.seen and not any(recorder.seen), recorder.seen  # every trace of its programs
+        assert gc.isenabled()  # and enabled again after them
+
+    strategy = keras_tpu.TPUStrategy(keras_tpu.TPUClusterResolver(tpu="local"))
+    with strategy.scope():
+        layer = _RecordsTheCollector()
+        dense = keras.layers.Dense(4)
+        dense.build((None, 8))
+
+    def replica_fn(x):
+        return dense(layer(x))
+
+    for _ in range(2):
+        strategy.run(replica_fn, args=(np.ones((8, 8), "float32"),))
+    assert layer.seen and not any(layer.seen), layer.seen  # traced once, the collector paused
+    assert gc.isenabled()
+
+    gc.disable()  # a collector its user disabled stays disabled
+    try:
+        with host.collection_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
