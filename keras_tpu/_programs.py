@@ -257,16 +257,21 @@ class Program:
         key = copies, form
         if key in self._jitted:
             return self._jitted[key]
-        reading, train = self._reading(form), self.mode == "train"
+        reading, train, rule = self._reading(form), self.mode == "train", self.builder.rule
         if reading is None:
             device_fn = self._device_step(form)
 
             def step_fn(state, _no_copies, *rest):
                 return device_fn(state, *rest)
+
+            routed = rewrite.transform(step_fn, rule)
         else:
-            step_fn = reading.step(copies, returns_copies=train)
+            # (the step traced once by the reading is routed as it stands, not traced again: see
+            # ReadingRoundedWeights.step)
+            routed = reading.step(copies, returns_copies=train,
+                                  transform=lambda closed: rewrite.rewrite_closed_jaxpr(closed, rule))
         returns_copies = bool(copies) and train
-        self._jitted[key] = jax.jit(self._over_devices(rewrite.transform(step_fn, self.builder.rule), returns_copies),
+        self._jitted[key] = jax.jit(self._over_devices(routed, returns_copies),
                                     donate_argnums=(0, 1) if returns_copies else 0)
         return self._jitted[key]
 

@@ -223,30 +223,40 @@ class ReadingRoundedWeights:
         _, _, positions, dtypes = self._trace(state, rest, axis_env)
         return bool(positions), positions, dtypes
 
-    def without_copies(self, state, *rest):
-        """``fn(state, *rest)`` itself, from the same trace: its products read the float32 weights."""
+    def without_copies(self, state, *rest, transform=None):
+        """``fn(state, *rest)`` itself, from the same trace: its products read the float32 weights. ``transform``
+        (``ClosedJaxpr -> ClosedJaxpr``, as :meth:`step` takes) rewrites the traced program first."""
         closed, out_structure = self._trace(state, rest)[:2]
-        return jax.tree.unflatten(out_structure, jax.core.eval_jaxpr(closed.jaxpr, closed.consts,
-                                                                     *jax.tree.leaves((state, *rest))))
+        return _evaluated(closed, out_structure, jax.tree.leaves((state, *rest)), transform)
 
-    def step(self, copies, returns_copies=False):
+    def step(self, copies, returns_copies=False, transform=None):
         """``(state, rounded, *rest) -> fn's outputs``, its products reading ``rounded`` (``copies``) or the
         float32 weights (``rounded`` is then ``[]``). With ``returns_copies`` (a training step, whose second output
-        holds the weights it wrote, as ``state`` does) it also returns the copies of those for the next step."""
+        holds the weights it wrote, as ``state`` does) it also returns the copies of those for the next step.
+
+        ``transform`` (``ClosedJaxpr -> ClosedJaxpr``; the MXU's routing,
+        say) rewrites the program traced once before it runs: the step is
+        then not traced again to be rewritten (ResNet-20's training step is a
+        0.1 s trace).
+        """
         if not copies:
-            return lambda state, _no_copies, *rest: self.without_copies(state, *rest)
+            return lambda state, _no_copies, *rest: self.without_copies(state, *rest, transform=transform)
+
+        def reading_copies(state, rounded, *rest):
+            return self(state, rounded, *rest, transform=transform)
+
         if not returns_copies:
-            return self
+            return reading_copies
 
         def training_step(state, rounded, *rest):
-            outputs = self(state, rounded, *rest)
+            outputs = reading_copies(state, rounded, *rest)
             weights = jax.tree.leaves(outputs[1][0])
             return (*outputs, [weights[i].astype(jnp.bfloat16).astype(copy.dtype)
                                for i, copy in zip(self.read_weights(state, *rest), rounded)])
 
         return training_step
 
-    def __call__(self, state, rounded, *rest):
+    def __call__(self, state, rounded, *rest, transform=None):
         closed, out_structure, positions = self._trace(state, rest)[:3]
         if len(rounded) != len(positions):
             raise ValueError(f"The program reads bfloat16 copies of {len(positions)} weights (positions {positions} "
@@ -257,9 +267,15 @@ class ReadingRoundedWeights:
                   for i, copy in zip(positions, rounded)]
         copy_of = {weights[i]: copy for i, copy in zip(positions, copies)}
         eqns = [_reading_copies(eqn, copy_of, self.default) for eqn in jaxpr.eqns]
-        rewritten = jaxpr.replace(invars=jaxpr.invars + copies, eqns=eqns)
-        flat = jax.tree.leaves((state, *rest)) + list(rounded)
-        return jax.tree.unflatten(out_structure, jax.core.eval_jaxpr(rewritten, closed.consts, *flat))
+        reading = closed.replace(jaxpr=jaxpr.replace(invars=jaxpr.invars + copies, eqns=eqns))
+        return _evaluated(reading, out_structure, jax.tree.leaves((state, *rest)) + list(rounded), transform)
+
+
+def _evaluated(closed, out_structure, flat_args, transform=None):
+    """The outputs of the program ``closed`` (rewritten by ``transform`` first, if given) on ``flat_args``."""
+    if transform is not None:
+        closed = transform(closed)
+    return jax.tree.unflatten(out_structure, jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat_args))
 
 
 class WeightCopies:

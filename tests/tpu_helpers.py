@@ -2,6 +2,7 @@
 
 import re
 
+import jax
 import keras
 import numpy as np
 
@@ -69,8 +70,11 @@ class WithoutWeightCopies(_rounded_weights.ReadingRoundedWeights):
     def copies_to_make(self, state, *rest, axis_env=None):
         return False, [], []
 
-    def without_copies(self, state, *rest):
-        return self.fn(state, *rest)
+    def without_copies(self, state, *rest, transform=None):
+        closed, out_shape = jax.make_jaxpr(self.fn, return_shape=True)(state, *rest)
+        closed = closed if transform is None else transform(closed)
+        return jax.tree.unflatten(jax.tree.structure(out_shape),
+                                  jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves((state, *rest))))
 
 
 def record_weight_copies(monkeypatch):
