@@ -291,21 +291,26 @@ def test_strategy_run_inside_jax_jit_refuses_to_update_variables():
     np.testing.assert_array_equal(np.concatenate(doubled.values), 2 * x)
 
 
-def test_the_tpu_guides_replica_step_compiles_once_and_trains_as_the_cpu():
+@pytest.mark.parametrize("regularized", [False, True])
+def test_the_tpu_guides_replica_step_compiles_once_and_trains_as_the_cpu(regularized):
     """TensorFlow's "Use TPUs" guide writes its replica function inside the step function (``@tf.function``
     traced it once); ported, a new ``step_fn`` is defined on every step. It runs one compiled program, computes
     the cores' weight gradients without a per-core copy of a Dense kernel's gradient or a grouped convolution
     (each core's convolution gradient in turn, the Dense gradients one product over all rows), and trains as
-    plain Keras does on the global batch."""
+    plain Keras does on the global batch. The guide's model regularizes its kernels (``L2``, each replica's
+    share of the model's losses added to its loss): a kernel's gradient is then its rows' product plus the
+    regularizer's, and still no per-core copy."""
     strategy = keras_tpu.TPUStrategy(precision="highest")
     rng = np.random.default_rng(0)
     x, y = rng.random((4 * 64, 12, 12, 1), dtype=np.float32), rng.integers(0, 10, 4 * 64)
+    regularizer = (lambda: keras.regularizers.L2(1e-2)) if regularized else (lambda: None)
 
     def create_model():
         keras.utils.set_random_seed(3)
-        return keras.Sequential([keras.Input((12, 12, 1)), keras.layers.Conv2D(4, 3, activation="relu"),
-                                 keras.layers.Flatten(), keras.layers.Dense(32, activation="relu"),
-                                 keras.layers.Dense(10)])
+        return keras.Sequential([
+            keras.Input((12, 12, 1)), keras.layers.Conv2D(4, 3, activation="relu", kernel_regularizer=regularizer()),
+            keras.layers.Flatten(), keras.layers.Dense(32, activation="relu", kernel_regularizer=regularizer()),
+            keras.layers.Dense(10, kernel_regularizer=regularizer())])
 
     with strategy.scope():
         model = create_model()
@@ -316,9 +321,10 @@ def test_the_tpu_guides_replica_step_compiles_once_and_trains_as_the_cpu():
             images, labels = inputs
 
             def loss_of(trainable):
-                logits, _ = model.stateless_call(trainable, [], images, training=True)
+                logits, _, losses = model.stateless_call(trainable, [], images, training=True, return_losses=True)
                 per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
-                return keras.ops.sum(per_example) / 64  # tf.nn.compute_average_loss(global_batch_size=64)
+                # tf.nn.compute_average_loss(global_batch_size=64), tf.nn.scale_regularization_loss
+                return keras.ops.sum(per_example) / 64 + sum(losses) / strategy.num_replicas_in_sync
 
             loss, grads = jax.value_and_grad(loss_of)([v.value for v in model.trainable_variables])
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
@@ -335,8 +341,9 @@ def test_the_tpu_guides_replica_step_compiles_once_and_trains_as_the_cpu():
     cpu_losses = []
     for images, labels in batches:
         def loss_of(trainable):
-            logits, _ = cpu.stateless_call(trainable, [], images, training=True)
-            return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+            logits, _, losses = cpu.stateless_call(trainable, [], images, training=True, return_losses=True)
+            return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)) \
+                + sum(losses)
         loss, grads = jax.value_and_grad(loss_of)([v.value for v in cpu.trainable_variables])
         cpu_optimizer.apply_gradients(zip(grads, cpu.trainable_variables))
         cpu_losses.append(float(loss))

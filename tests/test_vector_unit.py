@@ -84,6 +84,33 @@ def test_the_cores_mean_of_per_core_weight_gradients_is_one_product_over_all_row
         np.testing.assert_allclose(routed(w, x), want(w, x), rtol=1e-5, atol=1e-5)
 
 
+def test_a_weight_gradient_plus_its_regularizers_is_folded_into_one_product_plus_the_cores_count_times_it():
+    # A TPUStrategy.run replica function with an L2-regularized kernel: each core's gradient is its rows' product
+    # plus the regularizer's gradient, the same on every core (an unbatched value broadcast along the core axis).
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((128, 96)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((8, 4, 128)), jnp.float32)
+
+    def cores_sum_gradient(w, x):
+        core_loss = lambda w, x: jnp.sum(jnp.tanh(x @ w)) + 1e-2 * jnp.sum(w ** 2)
+        return jax.vmap(lambda x: lax.psum(jax.grad(core_loss)(w, x), "cores"), axis_name="cores")(x)[0]
+
+    per_core = lambda closed: [o.eqn for o in rewrite.walk(closed, lambda e: any(
+        v.aval.shape in ((8, 128, 96), (8, 96, 128)) for v in e.outvars))]
+    before = jax.make_jaxpr(cores_sum_gradient)(w, x)
+    assert (8, 128, 96) in _sums(cores_sum_gradient, w, x)
+    assert {e.primitive.name for e in per_core(before)} >= {"dot_general", "add_any", "broadcast_in_dim"}
+    routed = rewrite.transform(cores_sum_gradient, vector_unit_rule())
+    after = jax.make_jaxpr(routed)(w, x)
+    assert [e.primitive.name for e in per_core(after)] == ["broadcast_in_dim"]   # only the psum's result, per core
+    products = [o.eqn for o in rewrite.walk(after, lambda e: e.primitive.name == "dot_general")]
+    weight_gradient = [e for e in products if e.outvars[0].aval.shape in ((96, 128), (128, 96))]
+    assert len(weight_gradient) == 1 and weight_gradient[0].params["dimension_numbers"][1] == ((), ())
+    np.testing.assert_allclose(jax.jit(routed)(w, x), cores_sum_gradient(w, x), rtol=1e-5, atol=1e-5)
+    # The regularizer's part is counted once per core: 8 * 2e-2 * w where the rows' product is zero.
+    np.testing.assert_allclose(jax.jit(routed)(w, jnp.zeros_like(x)), 8 * 2e-2 * w, rtol=1e-6)
+
+
 def test_only_sums_of_a_few_large_rows_are_rewritten():
     big = ROW_BY_ROW_MIN_ELEMENTS
     cases = {   # input shape, axes summed -> rewritten?
