@@ -169,7 +169,7 @@ def collection_paused():
     here, ResNet-20's first ``fit`` ran two full collections, 0.31 s of its
     compile, and freed 44 objects; with the collector paused while its
     programs were traced and compiled, the first fit took 4.7-5.7 s (median
-    5.0) against 5.0-6.2 s (median 5.4), ten runs each, alternately.
+    5.0) against 5.0-6.2 s (median 5.4), eight runs each, alternately.
     Cyclic garbage left by the block is collected by the collector's next
     runs once it is enabled again.
 
