@@ -310,15 +310,13 @@ class Program:
         the shapes of the state it was given); ``returned``: the state is what the last call returned."""
         same_program = returned and self._last_call is not None and self._last_call[0] == batch_key
         if same_program:
+            return (args[0], self._copies.copies) + args[1:], self._last_call[1], False
+        with host.collection_paused():  # (a program may be traced and compiled: see host.collection_paused)
+            if self.rounds_weights:
+                self._round_weights(args, form)
             args = (args[0], self._copies.copies) + args[1:]
-            executable, compiled = self._last_call[1], False
-        else:
-            with host.collection_paused():  # (a program may be traced and compiled: see host.collection_paused)
-                if self.rounds_weights:
-                    self._round_weights(args, form)
-                args = (args[0], self._copies.copies) + args[1:]
-                # (a failure keeps the weights: see ReplicatedSteps._state_kept_on_error)
-                executable, compiled = self._executable(args, form)
+            # (a failure keeps the weights: see ReplicatedSteps._state_kept_on_error)
+            executable, compiled = self._executable(args, form)
         self._last_call = batch_key, executable
         return args, executable, compiled
 
