@@ -230,6 +230,40 @@ def test_a_custom_loop_updates_metrics_and_applies_gradients_inside_strategy_run
     assert float(tpu_accuracy.count.value) == 64  # every row of both steps, over all replicas
 
 
+def test_variables_built_in_a_replica_function_start_at_their_constant_values_without_compiling_a_program():
+    # An optimizer's slots are built in a replica function's first step (the test above); their zeros are made on
+    # the host, not by an XLA program per shape (jnp.zeros), which cost the TF guide's loop 0.1-0.2 s on its first
+    # step. Other initializers run as Keras runs them.
+    from jax import monitoring
+    from keras_tpu import _keras_private
+
+    compiles = []
+    monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **kwargs: compiles.append(event) if event.endswith("backend_compile_duration") else None)
+    shape = (13, 29, 3)   # a shape no other test's zeros compiled for
+    constant = {"zeros": (keras.initializers.Zeros(), "float32", 0.0), "ones": ("ones", "bfloat16", 1.0),
+                "constant": (keras.initializers.Constant(2.5), "float16", 2.5),
+                "integer": (keras.initializers.Zeros(), "int32", 0)}
+    with keras.StatelessScope(initialize_variables=False):
+        variables = {name: keras.Variable(initializer=init, shape=shape, dtype=dtype, name=name)
+                     for name, (init, dtype, _) in constant.items()}
+    compiles.clear()
+    _keras_private.initialize_deferred_variables()
+    assert compiles == []
+    for name, (_, dtype, fill) in constant.items():
+        value = variables[name].value
+        assert isinstance(value, jax.Array) and value.dtype == jnp.dtype(dtype) and value.shape == shape
+        assert np.all(np.asarray(value, "float32") == fill)
+    with keras.StatelessScope(initialize_variables=False):
+        drawn = keras.Variable(initializer=keras.initializers.GlorotUniform(seed=3), shape=(13, 29), name="drawn")
+    _keras_private.initialize_deferred_variables()
+    np.testing.assert_array_equal(drawn.numpy(), keras.initializers.GlorotUniform(seed=3)((13, 29)))
+    # Nothing is left for the next scope to initialise again.
+    with keras.StatelessScope():
+        pass
+    assert np.all(np.asarray(variables["ones"].value, "float32") == 1.0)
+
+
 def test_moving_statistics_set_in_strategy_run_are_the_cores_mean():
     """BatchNormalization's moving statistics, updated by every replica on its own rows in strategy.run, read
     as their mean over the replicas (TensorFlow's variables synchronised on read, MEAN), not one core's."""
