@@ -110,6 +110,28 @@ print("DEVICES", len(jax.devices()), "POOL AT MOST CORES", pool <= max(os.cpu_co
     assert "DEVICES 8" in result.stdout, result.stderr
 
 
+def test_importing_keras_tpu_has_xla_compile_at_llvm_o2_unless_the_flags_set_a_level():
+    # Keras' own programs (a model's weight initializers) compile at -O2 like keras-tpu's (see
+    # keras_tpu._host.quicker_code_generation); XLA reads the level from XLA_FLAGS when JAX's backend starts.
+    code = """
+import os, keras_tpu, keras
+keras.layers.Dense(3).build((None, 5))   # Keras' initializer programs: JAX's backend has started
+from jax._src.lib import xla_client
+level = xla_client.CompileOptions().executable_build_options.debug_options.xla_backend_optimization_level
+print("LEVEL", level, "FLAGS", os.environ["XLA_FLAGS"])
+"""
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert "LEVEL 2 FLAGS --xla_backend_optimization_level=2" in result.stdout
+    # A level the user sets is kept, and so are the user's other flags.
+    result = run_python(code, env={"XLA_FLAGS": "--xla_cpu_enable_fast_math=false --xla_backend_optimization_level=3"})
+    assert "LEVEL 3 FLAGS --xla_cpu_enable_fast_math=false --xla_backend_optimization_level=3" in result.stdout, \
+        result.stderr
+    result = run_python(code, env={"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"})
+    assert "LEVEL 2 FLAGS --xla_cpu_enable_fast_math=false --xla_backend_optimization_level=2" in result.stdout, \
+        result.stderr
+
+
 def test_a_large_gradient_leaves_the_training_program_as_its_own_buffer_and_steps_run_alone(monkeypatch):
     # XLA:CPU maps a program's temporaries afresh for each run: a large gradient (an embedding table's) held
     # there faults in again at every step. The training program returns it instead, in a buffer the host's

@@ -615,6 +615,11 @@ def test_programs_compile_at_llvm_o2_unless_xla_flags_set_the_level(monkeypatch)
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=1")
     assert all("xla_backend_optimization_level" not in kernels.compiler_options(mode)
                for mode in ("train", "test", "predict"))
+    # The level import keras_tpu puts into XLA_FLAGS is asked for per program too: the flags do not apply where
+    # JAX's backend started before the import.
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=2")
+    assert all(kernels.compiler_options(mode)["xla_backend_optimization_level"] == 2
+               for mode in ("train", "test", "predict"))
 
 
 def test_loop_count_counts_nested_loops_and_a_models_own_loop_keeps_loop_invariant_motion():

@@ -182,6 +182,7 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from keras_tpu import _rewrite as rewrite
+from keras_tpu._host import LLVM_OPTIMIZATION_LEVEL, llvm_level_in_xla_flags
 from keras_tpu.mxu import _direct_conv as direct
 from keras_tpu.mxu import _host_speed as host_speed
 
@@ -548,7 +549,7 @@ _EXACT_ROUNDING = {"xla_allow_excess_precision": False}
 #: 411-425 against 2.67-3.09 / 423; the char LSTM 1.96-2.10 / 605-648 against 2.05-2.38 / 614-625; the MLP and
 #: the embedding model (a few kernels) alike. The kernels that do a step's heavy work (YNNPACK's, Eigen's and
 #: keras-tpu's own convolutions) are compiled already and do not change.
-_QUICKER_CODE_GENERATION = {"xla_backend_optimization_level": 2}
+_QUICKER_CODE_GENERATION = {"xla_backend_optimization_level": LLVM_OPTIMIZATION_LEVEL}
 
 
 #: A training program whose only loops are keras-tpu's own (the cores', and the stacked steps' of
@@ -615,8 +616,11 @@ def hoists_loop_invariants(mode, program, own_loops, weights):
 
 def _every_program_options():
     """The options of every keras-tpu program, on every host: ``_EXACT_ROUNDING`` and ``_QUICKER_CODE_GENERATION``,
-    unless ``XLA_FLAGS`` sets LLVM's level itself (as the test suite does, ``-O1``), which is then kept."""
-    if "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", ""):
+    unless ``XLA_FLAGS`` sets LLVM's level to another (as the test suite does, ``-O1``), which is then kept.
+
+    The level ``import keras_tpu`` put into ``XLA_FLAGS`` (:func:`keras_tpu._host.quicker_code_generation`) is
+    asked for here too: the flags do not apply where JAX's backend had started before."""
+    if llvm_level_in_xla_flags() not in (None, LLVM_OPTIMIZATION_LEVEL):
         return dict(_EXACT_ROUNDING)
     return {**_EXACT_ROUNDING, **_QUICKER_CODE_GENERATION}
 
