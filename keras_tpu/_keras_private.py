@@ -824,12 +824,12 @@ def initialize_deferred_variables():
     from keras.src.backend.common import global_state
     from keras.src.backend.common.variables import initialize_all_variables
 
-    for variable in global_state.get_global_attribute("uninitialized_variables", []) or []:
+    pending = global_state.get_global_attribute("uninitialized_variables", []) or []
+    for variable in pending:
         value = _constant_initial_value(variable)
         if value is not None and variable._value is None:
             variable._initialize(jax.device_put(value))  # (jnp.asarray compiles a program per shape)
             variable._initializer = None
-    pending = global_state.get_global_attribute("uninitialized_variables", []) or []
     global_state.set_global_attribute("uninitialized_variables",
                                       [v for v in pending if v._initializer is not None])
     initialize_all_variables()

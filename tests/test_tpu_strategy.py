@@ -1,5 +1,6 @@
 """TPUStrategy: models built under its scope train on the TPU; run/reduce for custom loops."""
 
+import contextlib
 import logging
 
 import jax
@@ -230,16 +231,28 @@ def test_a_custom_loop_updates_metrics_and_applies_gradients_inside_strategy_run
     assert float(tpu_accuracy.count.value) == 64  # every row of both steps, over all replicas
 
 
+@contextlib.contextmanager
+def _compile_events():
+    """The XLA compiles while the block runs (jax.monitoring's events), as a list."""
+    compiles = []
+
+    def note_compile(event, seconds, **kwargs):
+        if event.endswith("backend_compile_duration"):
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(note_compile)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(note_compile)
+
+
 def test_variables_built_in_a_replica_function_start_at_their_constant_values_without_compiling_a_program():
     # An optimizer's slots are built in a replica function's first step (the test above); their zeros are made on
     # the host, not by an XLA program per shape (jnp.zeros), which cost the TF guide's loop 0.1-0.2 s on its first
     # step. Other initializers run as Keras runs them.
-    from jax import monitoring
     from keras_tpu import _keras_private
 
-    compiles = []
-    monitoring.register_event_duration_secs_listener(
-        lambda event, seconds, **kwargs: compiles.append(event) if event.endswith("backend_compile_duration") else None)
     shape = (13, 29, 3)   # a shape no other test's zeros compiled for
     constant = {"zeros": (keras.initializers.Zeros(), "float32", 0.0), "ones": ("ones", "bfloat16", 1.0),
                 "constant": (keras.initializers.Constant(2.5), "float16", 2.5),
@@ -247,8 +260,8 @@ def test_variables_built_in_a_replica_function_start_at_their_constant_values_wi
     with keras.StatelessScope(initialize_variables=False):
         variables = {name: keras.Variable(initializer=init, shape=shape, dtype=dtype, name=name)
                      for name, (init, dtype, _) in constant.items()}
-    compiles.clear()
-    _keras_private.initialize_deferred_variables()
+    with _compile_events() as compiles:
+        _keras_private.initialize_deferred_variables()
     assert compiles == []
     for name, (_, dtype, fill) in constant.items():
         value = variables[name].value
