@@ -174,6 +174,36 @@ def test_the_timed_convolution_programs_compute_the_same_numbers(training):
     assert max(float(jnp.abs(a - b).max()) for a, b in zip(unrounded, results["round_f32"])) > 1e-3
 
 
+def _depends_on(closed):
+    """Per output of ``closed`` (a ClosedJaxpr), the indices of the inputs it is computed from."""
+    deps = {v: {i} for i, v in enumerate(closed.jaxpr.invars)}
+    for eqn in closed.jaxpr.eqns:
+        used = set().union(*(deps.get(v, set()) for v in eqn.invars if not isinstance(v, jax_core.Literal)))
+        deps.update((v, used) for v in eqn.outvars)
+    return [deps.get(v, set()) for v in closed.jaxpr.outvars]
+
+
+def test_the_timed_inference_program_runs_as_a_model_would():
+    # Its two parts run one after the other, as a model's layers do: the MNIST convnet's result is computed from
+    # the block's input too (XLA:CPU would otherwise run the two side by side, which the kernels lose).
+    closed, args = kernels._timed_conv_block(training=False)
+    block_input = len(jax.tree.leaves(args[0]))   # the leaves: the block's parameters, its images, ...
+    assert args[1].shape == kernels.TIMED_CONV_BLOCK[0]
+    block_output, mnist_output = _depends_on(closed)
+    assert block_input in block_output and block_input in mnist_output
+    # The kernels' candidate leaves the one-channel first convolution (9 products per output) on XLA, as the
+    # inference rule does, and computes the other three on the kernels.
+    forms = []
+    run = kernels._with_forms(closed, conv_form=lambda layout, gemm: forms.append(gemm[2]) or kernels.ROUND_F32)
+    jax.make_jaxpr(run)(*jax.tree.leaves(args))
+    assert sorted(forms) == [9, 288, 288, 288] and 9 < kernels.INFERENCE_DIRECT_MIN_K <= 288
+    if not direct.available():
+        pytest.skip("this host has no direct convolution kernels")
+    program, flat = kernels._timed_conv_program(False, kernels.BF16_DIRECT, kernels._YNN_DOTS_AND_SUMS)()
+    hlo = program.as_text()
+    assert hlo.count("keras_tpu_mxu_conv_forward") >= 3 and " convolution(" in hlo
+
+
 def test_measured_choices_decide_the_convolutions_and_the_inference_options(monkeypatch):
     monkeypatch.setattr(kernels, "host_class", lambda: "bf16")
     monkeypatch.delenv("KERAS_TPU_DIRECT_CONV", raising=False)
