@@ -42,7 +42,7 @@ import resource
 import sys
 import time
 
-from _child import run_child
+from _child import results_path, run_child
 from zoo import best_of, markdown_table
 
 CONFIGS = {"keras_tpu": "keras-tpu (8 simulated cores, bf16 MXU)", "keras": "plain Keras 3 on JAX"}
@@ -211,14 +211,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                       "users_code.json"))
+    parser.add_argument("--json", help="where the results go (default: benchmarks/results/users_code.json for a run "
+                                       "of every model, else a file named after those run)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure(*args.child)))
         return
     models, configs = args.models.split(","), list(CONFIGS)
+    args.json = args.json or results_path(__file__, models, list(MODELS))
     runs = {name: {config: [] for config in configs} for name in models}
     for repeat in range(args.repeats):
         for name in models:

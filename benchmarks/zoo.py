@@ -31,7 +31,8 @@ second layout of a convolutional model's inference program there, see
 ``keras_tpu._programs.LayoutTrial``), and peak host memory (``ru_maxrss``). Configurations run interleaved model by
 model; ``--repeats 2`` runs them a second time in reverse order and keeps each
 configuration's best. Prints a Markdown table of figures and ratios to plain Keras (and
-the geometric mean of the ratios), and writes ``benchmarks/results/zoo.json``.
+the geometric mean of the ratios), and writes ``benchmarks/results/zoo.json`` (a run of some models or
+configurations: a file named after them).
 
 Usage:
     python benchmarks/zoo.py [--quick] [--models cifar_cnn,mlp] [--configs keras_tpu,keras]
@@ -46,7 +47,7 @@ import resource
 import sys
 import time
 
-from _child import run_child
+from _child import results_path, run_child
 
 CONFIGS = {
     "keras_tpu": "keras-tpu (keras_to_tpu_model, 8 simulated cores, bf16 MXU)",
@@ -298,8 +299,8 @@ def main():
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--quick", action="store_true", help="fewer training steps per model")
     parser.add_argument("--repeats", type=int, default=1, help="run every configuration this many times")
-    parser.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                       "zoo.json"))
+    parser.add_argument("--json", help="where the results go (default: benchmarks/results/zoo.json for a run of "
+                                       "every model and configuration, else a file named after those run)")
     parser.add_argument("--from-json", help="only print the table of an earlier run's JSON file")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -320,6 +321,7 @@ def main():
         return
 
     models, configs = args.models.split(","), args.configs.split(",")
+    args.json = args.json or results_path(__file__, models + configs, list(MODELS) + list(CONFIGS))
     runs = {name: {config: [] for config in configs} for name in models}
     for repeat in range(args.repeats):
         for name in models:
