@@ -186,17 +186,23 @@ def measure_custom_loop(config, keras, batch, train_steps):
         import keras_tpu
         strategy = keras_tpu.TPUStrategy()
     step, state = guide_custom_loop(strategy)
+
+    def wait():
+        # Under the strategy, the state is the model's Keras variables: wait for their values (jax waits on arrays
+        # only, and a step returns before its program has run).
+        jax.block_until_ready([v.value if isinstance(v, keras.Variable) else v for v in jax.tree.leaves(state)])
+
     rng = np.random.default_rng(0)
     images = rng.random((batch * train_steps, 28, 28, 1), np.float32)
     labels = rng.integers(0, 10, batch * train_steps)
     started = time.perf_counter()
     step(images[:batch], labels[:batch])
-    jax.block_until_ready(jax.tree.leaves(state))
+    wait()
     first = time.perf_counter() - started
     wall, cpu = time.perf_counter(), time.process_time()
     for i in range(0, batch * train_steps, batch):
         step(images[i:i + batch], labels[i:i + batch])
-    jax.block_until_ready(jax.tree.leaves(state))
+    wait()
     train_wall, train_cpu = time.perf_counter() - wall, time.process_time() - cpu
     return {
         "config": config, "model": "custom_loop", "batch": batch, "load": os.getloadavg()[0],
