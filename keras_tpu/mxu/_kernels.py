@@ -685,7 +685,7 @@ TIMED_CONV_BLOCK = ((64, 32, 32, 32), (3, 3, 32, 32))
 #: forward, GFLOP/s: 86 against XLA's 24 and 270-284 against 134-176, beside 205 against 122 for the block's).
 TIMED_TRAINING_CONVOLUTIONS = ((3, 32, "SAME", False), (32, 32, "SAME", True), (32, 64, "SAME", False),
                                (64, 64, "VALID", True))
-#: An inference program is timed on that block and, beside it in the same program, keras.io's MNIST convnet's
+#: An inference program is timed on that block and, after it in the same program, keras.io's MNIST convnet's
 #: forward pass (3x3 1 -> 32 convolution, ReLU, 2x2 max pooling, 3x3 32 -> 64, ReLU, pooling, a 1600 -> 10 dense
 #: layer) on this many 28x28 images, which takes about as long. The block alone chose XLA's default options
 #: (YNNPACK's convolutions, 10.3 against 11.1 ms) on an Intel Xeon where whole models evaluated slower so, wall ms
@@ -829,7 +829,7 @@ def conv_kernels_here(inference=False):
     XLA's depends on the CPU (see :mod:`keras_tpu.mxu._host_speed`), so each host
     times a CIFAR-10 CNN's convolutions in each way once (in training
     :data:`TIMED_TRAINING_CONVOLUTIONS`, at inference :data:`TIMED_CONV_BLOCK`
-    with keras.io's MNIST convnet beside it, :data:`TIMED_INFERENCE_IMAGES`), keeps the answer on disk,
+    with keras.io's MNIST convnet after it, :data:`TIMED_INFERENCE_IMAGES`), keeps the answer on disk,
     and XLA's way wins unless another is 5% faster. A host without the kernels
     (:func:`keras_tpu.mxu._direct_conv.available`) measures only XLA's ways, and
     one without bf16 instructions nothing (``round_f32``);
