@@ -6,6 +6,7 @@ in any order give exactly the float64 result. Every covered case also checks tha
 in the program, so a silent fall back to XLA's convolution fails the test.
 """
 
+import ctypes
 import os
 import subprocess
 
@@ -230,13 +231,18 @@ def test_the_kernels_are_built_once_into_the_cache(tmp_path, monkeypatch):
     assert os.path.dirname(path) == str(tmp_path / "kernels") and path.endswith(".so")
     built = os.stat(path).st_mtime_ns
     assert direct._compile(compiler) == path and os.stat(path).st_mtime_ns == built
-    assert os.listdir(tmp_path / "kernels") == [os.path.basename(path)]   # no staging file left behind
+    assert os.listdir(tmp_path / "kernels") == [os.path.basename(path)]   # no staging or object file left behind
+    # One library of the source's two parts, compiled side by side: the forward kernel's and the weight
+    # gradient's handlers, and the instruction timing, all in it.
+    library = ctypes.CDLL(path)
+    assert all(hasattr(library, name) for name in ("MxuConvForward", "MxuConvWeightGrad", "MxuBf16DotSpeedup"))
     with pytest.raises(OSError):
         direct._compile(str(tmp_path / "no-such-compiler"))
     # A failed build leaves nothing in the cache.
     monkeypatch.setattr(direct, "_FLAGS", direct._FLAGS + ("-DKERAS_TPU_TEST", "--no-such-option"))
-    with pytest.raises(subprocess.CalledProcessError):
+    with pytest.raises(subprocess.CalledProcessError) as failed:
         direct._compile(compiler)
+    assert "no-such-option" in failed.value.stderr   # the compiler's own message, for the warning that logs it
     assert os.listdir(tmp_path / "kernels") == [os.path.basename(path)]
 
 

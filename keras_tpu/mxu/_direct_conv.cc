@@ -184,6 +184,10 @@ void PaddedRow(const uint16_t* x, int64_t h, int64_t w, int64_t c, int64_t pt, i
   std::memset(dst + last * cp, 0, (cols - last) * cp * sizeof(T));
 }
 
+// The file compiles as two parts at once, one per core of a 2-core host (KERAS_TPU_PART 1: the forward kernel,
+// 2: the weight gradient's; undefined: both), linked into one library.
+#if KERAS_TPU_PART != 2
+
 // ------------------------------------------------------------------------------------------------ forward
 
 // PB output columns times CBV*16 output features, summed over the window and the input features (`steps` steps
@@ -435,6 +439,9 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> in, ffi::Buf
   return ffi::Error::Success();
 }
 
+#endif  // KERAS_TPU_PART != 2
+#if KERAS_TPU_PART != 1
+
 // ----------------------------------------------------------------------------------------- weight gradient
 
 // out[2k] = a[k], out[2k + 1] = b[k] (0 without b), k < len.
@@ -636,7 +643,11 @@ ffi::Error WeightGradImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> in, ffi::
   return ffi::Error::Success();
 }
 
+#endif  // KERAS_TPU_PART != 1
+
 }  // namespace
+
+#if KERAS_TPU_PART != 2
 
 // How many times faster this core sums products with VDPBF16PS than with float32 FMAs (16 lanes each; a bf16 dot
 // adds two products per lane, an FMA one): the kernels' `fma` attribute is set where this is below 1. Each
@@ -689,6 +700,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MxuConvForward, ForwardImpl,
                                   .Attr<int64_t>("flipped")
                                   .Attr<int64_t>("fma"));
 
+#endif  // KERAS_TPU_PART != 2
+#if KERAS_TPU_PART != 1
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MxuConvWeightGrad, WeightGradImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -702,3 +716,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MxuConvWeightGrad, WeightGradImpl,
                                   .Attr<int64_t>("pt")
                                   .Attr<int64_t>("pl")
                                   .Attr<int64_t>("fma"));
+
+#endif  // KERAS_TPU_PART != 1

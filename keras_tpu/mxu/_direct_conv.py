@@ -41,7 +41,11 @@ from keras_tpu.mxu._host_speed import cache_directories
 logger = logging.getLogger("keras_tpu")
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "_direct_conv.cc")
-_FLAGS = ("-O3", "-std=c++17", "-march=x86-64-v4", "-mavx512bf16", "-shared", "-fPIC", "-w")
+_FLAGS = ("-O3", "-std=c++17", "-march=x86-64-v4", "-mavx512bf16", "-fPIC", "-w")
+#: The source's two parts (``KERAS_TPU_PART``: the forward kernel, the weight gradient's), compiled side by side
+#: and linked into one library: 8.7 s on 2 cores against 12.6 as one (-O2 would take 7.4 s as one, and its kernels
+#: ran the timed training convolutions in 104 ms against 70).
+_PARTS = (1, 2)
 _FORWARD = "keras_tpu_mxu_conv_forward"
 _WEIGHT_GRAD = "keras_tpu_mxu_conv_weight_grad"
 
@@ -79,17 +83,31 @@ def _compile(compiler):
     else:
         raise OSError(f"No writable directory for the compiled kernels among {cache_directories('kernels')}.")
     os.close(fd)
-    logger.info("keras-tpu: compiling its MXU convolution kernels for this host (once; about 15 s on 2 cores) into %s",
+    logger.info("keras-tpu: compiling its MXU convolution kernels for this host (once; about 9 s on 2 cores) into %s",
                 directory)
     # Built under a name of its own and renamed into place: a process that loads it never sees half a file.
+    objects = [f"{staging}.part{part}.o" for part in _PARTS]
     try:
-        subprocess.run([compiler, *_FLAGS, "-I", jax.ffi.include_dir(), _SOURCE, "-o", staging],
-                       capture_output=True, text=True, check=True)
+        _run_at_once([[compiler, *_FLAGS, "-c", f"-DKERAS_TPU_PART={part}", "-I", jax.ffi.include_dir(), _SOURCE,
+                       "-o", path] for part, path in zip(_PARTS, objects)])
+        subprocess.run([compiler, "-shared", "-fPIC", *objects, "-o", staging], capture_output=True, text=True,
+                       check=True)
         os.replace(staging, os.path.join(directory, name))
     finally:
-        if os.path.exists(staging):
-            os.remove(staging)
+        for path in [staging, *objects]:
+            if os.path.exists(path):
+                os.remove(path)
     return os.path.join(directory, name)
+
+
+def _run_at_once(commands):
+    """Run ``commands`` side by side; raise ``CalledProcessError`` (with its output) for the first that failed."""
+    running = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for command in commands]
+    outputs = [process.communicate() for process in running]
+    for command, process, (stdout, stderr) in zip(commands, running, outputs):
+        if process.returncode != 0:
+            raise subprocess.CalledProcessError(process.returncode, command, stdout, stderr)
 
 
 def always_on():
